@@ -1,0 +1,34 @@
+# Every target does its own set-up: `make setup` is idempotent and cheap once done.
+PY      := .venv/bin/python
+PIP     := .venv/bin/pip
+STAMP   := .venv/.riptide-setup
+EXTRAS  ?= dev
+TORCH_CPU_PIN := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs1 >/dev/null 2>&1; then \
+		echo "installing Debian's libibverbs1 (needed by the Mooncake transfer engine)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+	@[ -x $(PY) ] || python3 -m venv .venv
+	@# A CPU machine gets the pinned CPU wheel; a machine that already has torch keeps it.
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m inference_server.demo
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf .venv build *.egg-info

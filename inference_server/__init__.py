@@ -1,0 +1,1 @@
+"""Riptide's embedded inference server: continuous batching, SGLang-native HTTP API, hot reload."""

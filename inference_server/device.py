@@ -1,0 +1,46 @@
+"""The one place that decides which accelerator and dtype Riptide runs on."""
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+    return torch.npu.is_available()
+
+
+def choose_device(name: str = "auto") -> torch.device:
+    """`auto` picks cuda, then npu (torch_npu), then cpu; an explicit name must be usable."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if npu_available():
+            return torch.device("npu")
+        return torch.device("cpu")
+    kind = name.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine; use --device cpu or auto")
+    if kind == "npu" and not npu_available():
+        raise ValueError(f"--device {name}: torch_npu is not installed or sees no NPU; use --device cpu or auto")
+    if kind not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"--device {name}: expected auto, cpu, cuda[:N] or npu[:N]")
+    return torch.device(name)
+
+
+def choose_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on accelerators and float32 on CPU (CPU half-precision matmuls are slow)."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype {name}: expected auto or one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
