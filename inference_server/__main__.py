@@ -1,0 +1,3 @@
+from inference_server.launch import main
+
+main()

@@ -1,0 +1,263 @@
+"""The engine: one thread that steps the model while other threads talk to it through commands.
+
+Bounded: at most `max_running_requests` sequences hold KV slots; the rest wait. Everything that
+changes engine state from outside (new requests, aborts, pause, weight swaps) is a command run on
+the engine thread between two steps, so a step never sees half an update. An aborted sequence
+finishes at once with what it generated so far; a weight swap leaves running sequences running,
+and their later tokens carry the new version.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from inference_server import weights
+from inference_server.device import choose_device, choose_dtype
+from inference_server.model_runner import make_runner
+from inference_server.sampler import Sampler
+from inference_server.scheduler import Scheduler
+from inference_server.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+class PauseMode(str, enum.Enum):
+    ABORT = "abort"          # abort everything, then hold new requests
+    IN_PLACE = "in_place"    # stop stepping; sequences keep their KV cache
+    RETRACT = "retract"      # give back KV slots; sequences re-prefill when generation continues
+
+
+@dataclass
+class EngineArgs:
+    model_path: str
+    dtype: str = "auto"
+    device: str = "auto"
+    max_running_requests: int = 64
+    context_length: int | None = None      # default: the model's, capped at 4096
+    max_prefill_tokens: int = 4096
+    seed: int = 0
+    weight_version: int = 0
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    steps: int = 0
+    busy_seconds: float = 0.0
+    weight_updates: int = 0
+    last_swap_stall_s: float = 0.0
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except TypeError:   # transformers < 4.56 names it torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    model = model.to(device).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        e = getattr(src, "eos_token_id", None) if src is not None else None
+        ids.update(e if isinstance(e, (list, tuple)) else [e] if e is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.device = choose_device(args.device)
+        self.dtype = choose_dtype(args.dtype, self.device)
+        self.model, self.tokenizer = load_model(args.model_path, self.dtype, self.device)
+        cfg = self.model.config
+        self.vocab_size = cfg.vocab_size
+        self.context_length = args.context_length or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
+        self.eos_ids = eos_ids(self.model, self.tokenizer)
+        self.runner = make_runner(self.model, args.max_running_requests, self.context_length)
+        self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
+        self.sampler = Sampler(args.seed, self.device)
+        self.version = args.weight_version
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the loop --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="riptide-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._run_commands()
+                if self.scheduler.has_work:
+                    self.step()
+                else:
+                    self._wake.wait(0.05)
+        self._run_commands()
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return
+        if is_prefill:
+            for s in seqs:
+                s.prefill_version = self.version
+            self.stats.prompt_tokens += sum(s.num_tokens for s in seqs)
+            logits = self.runner.prefill(seqs)
+        else:
+            logits = self.runner.decode(seqs)
+        tokens, logprobs = self.sampler(logits, seqs)
+        self._postprocess(seqs, tokens, logprobs)
+        self.stats.steps += 1
+        self.stats.generation_tokens += len(seqs)
+        self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.append(token, logprob, self.version)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+            elif seq.stream:
+                self._notify(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> dict | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if p.stop:
+            tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, p.stop)) + 2):])
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.context_length:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _finish(self, seq: Sequence, reason: dict) -> None:
+        self._release(seq)
+        seq.finish(reason)
+        self.stats.finished_requests += 1
+        self._notify(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.runner.release(seq)
+        move = self.scheduler.remove(seq)
+        if move is not None:
+            src, dst = move
+            self.runner.move(src, dst, self.scheduler.running[dst].num_tokens)
+
+    @staticmethod
+    def _notify(seq: Sequence) -> None:
+        if seq.on_update is not None:
+            try:
+                seq.on_update(seq)
+            except Exception:  # a client that went away must not stop the engine
+                log.exception("update callback of request %s failed", seq.rid)
+
+    # ---- commands (thread-safe; each runs on the engine thread between steps) ---------------
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # the caller gets the error; the engine goes on
+                fut.set_exception(e)
+
+    def add(self, seqs: list[Sequence]) -> Future:
+        def run():
+            for s in seqs:
+                if s.params.seed is not None:
+                    s.generator = torch.Generator().manual_seed(s.params.seed)
+                if s.params.max_new_tokens == 0:
+                    s.finish({"type": "length", "length": 0})
+                    self._notify(s)
+                else:
+                    self.scheduler.add(s)
+        return self.submit(run)
+
+    def abort(self, rid: str | None) -> Future:
+        """Abort one request (and its n samples) or, with rid None, all of them."""
+        def run():
+            seqs = self.scheduler.all() if rid is None else self.scheduler.find(rid)
+            for s in seqs:
+                self._abort_one(s)
+            return seqs
+        return self.submit(run)
+
+    def _abort_one(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.finish({"type": "abort", "message": "aborted by request"})
+        self.stats.aborted_requests += 1
+        self._notify(seq)
+
+    def pause(self, mode: PauseMode) -> Future:
+        def run():
+            if mode is PauseMode.ABORT:
+                for s in self.scheduler.all():
+                    self._abort_one(s)
+            elif mode is PauseMode.RETRACT:
+                for s in self.scheduler.running:
+                    self.runner.release(s)
+                self.scheduler.retract_all()
+            self.scheduler.paused = True
+        return self.submit(run)
+
+    def resume(self) -> Future:
+        def run():
+            self.scheduler.paused = False
+        return self.submit(run)
+
+    def swap_weights(self, tensors: dict[str, torch.Tensor], version: int) -> Future:
+        """Swap in a complete, already-checked set of weights between two steps. Returns stall seconds."""
+        def run():
+            t0 = time.perf_counter()
+            weights.swap_in(self.model, tensors)
+            self.version = version
+            self.stats.weight_updates += 1
+            self.stats.last_swap_stall_s = time.perf_counter() - t0
+            return self.stats.last_swap_stall_s
+        return self.submit(run)
+
+    def load_from_disk(self, path: str) -> dict[str, torch.Tensor]:
+        """Read and check a checkpoint off the engine thread; the engine keeps serving meanwhile."""
+        return weights.match(self.model, weights.load_checkpoint(path))
+
+    def counts(self) -> tuple[int, int]:
+        return len(self.scheduler.running), len(self.scheduler.waiting)

@@ -1,0 +1,369 @@
+"""HTTP API in SGLang's native shape (plus OpenAI-shaped completions) over one Engine.
+
+One event loop. Each request waits on an asyncio queue that the engine thread feeds; nothing here
+blocks the loop on the model. Errors cross one boundary: validation and ValueError become 400 with
+the field named, anything else a logged 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import re
+import logging
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from pydantic import BaseModel, ValidationError
+
+from inference_server.engine import Engine, PauseMode
+from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, CompletionRequest,
+                                        GenerateReqInput, PauseGenerationReqInput, SamplingParamsIn,
+                                        UpdateWeightsFromDiskReqInput, parse_version)
+from inference_server.metrics import metrics_text
+from inference_server.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+ADMIN_PATHS = {"/update_weights_from_disk", "/pause_generation", "/continue_generation",
+               "/abort_request", "/flush_cache"}
+ADMIN_PREFIXES = ("/weight_sync/",)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class BadRequest(ValueError):
+    """A request the server understood but cannot serve; the message names the field."""
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "none"}
+
+
+def _field(loc: tuple) -> str:
+    """'body.sampling_params.list[...].0.top_p' -> 'sampling_params[0].top_p' (drop pydantic's union tags)."""
+    out = ""
+    for p in loc:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", p) and p not in _TYPE_NAMES:
+            out += f".{p}" if out else p
+    return out or "body"
+
+
+_BRANCH_TYPES = {"list_type", "dict_type", "model_type", "model_attributes_type", "none_required"}
+
+
+def validation_message(errors: list[dict]) -> str:
+    # A union reports a mismatch per branch; the branch the client meant has the useful error.
+    specific = [e for e in errors if e.get("type") not in _BRANCH_TYPES]
+    errors = specific or errors
+    seen, out = set(), []
+    for e in errors:
+        f = _field(tuple(e["loc"]))
+        if f not in seen:
+            seen.add(f)
+            out.append(f"field '{f}': {e['msg']}")
+    return "; ".join(out)
+
+
+def body(model: type[BaseModel]):
+    """Parse the body as JSON whatever its Content-Type (curl -d sends a form type)."""
+    async def parse(request: Request) -> BaseModel:
+        raw = await request.body()
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"malformed JSON body: {e}") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise BadRequest(validation_message(e.errors())) from None
+    return Depends(parse)
+
+
+class Server:
+    """Turns HTTP requests into engine sequences and engine sequences into SGLang-shaped replies."""
+
+    def __init__(self, engine: Engine, model_path: str, host: str, api_key: str | None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_path = model_path
+        self.host = host
+        self.api_key = api_key
+
+    # ---- requests -> sequences ------------------------------------------------------------
+    def prompts(self, text, input_ids) -> tuple[list[list[int]], bool]:
+        if text is None and input_ids is None:
+            raise BadRequest("one of 'text' or 'input_ids' is required")
+        if text is not None and input_ids is not None:
+            raise BadRequest("give either 'text' or 'input_ids', not both")
+        if text is not None:
+            batch = isinstance(text, list)
+            texts = text if batch else [text]
+            ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+            field = "text"
+        else:
+            batch = bool(input_ids) and isinstance(input_ids[0], list)
+            ids = input_ids if batch else [input_ids]
+            field = "input_ids"
+        if not ids:
+            raise BadRequest(f"'{field}' is an empty batch")
+        for i, p in enumerate(ids):
+            where = f"{field}[{i}]" if batch else field
+            if not p:
+                raise BadRequest(f"'{where}' is empty: a prompt needs at least one token")
+            if len(p) >= self.engine.context_length:
+                raise BadRequest(f"'{where}' has {len(p)} tokens; the context length is "
+                                 f"{self.engine.context_length}")
+            bad = next((t for t in p if not 0 <= t < self.engine.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"'{where}' holds token id {bad}, outside the vocabulary "
+                                 f"[0, {self.engine.vocab_size})")
+        return ids, batch
+
+    def sampling(self, sp: SamplingParamsIn, field: str = "sampling_params") -> SamplingParams:
+        if sp.max_new_tokens > self.engine.context_length:
+            raise BadRequest(f"'{field}.max_new_tokens' is {sp.max_new_tokens}, more than the context "
+                             f"length {self.engine.context_length}")
+        bad = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"'{field}.stop_token_ids' holds {bad}, outside the vocabulary")
+        return SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                              top_k=sp.top_k, min_p=sp.min_p, stop=sp.stop_list,
+                              stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
+                              seed=sp.seed)
+
+    def sequences(self, req: GenerateReqInput) -> tuple[list[Sequence], list[bool], bool]:
+        """One Sequence per prompt per sample, prompt-major, with its return_logprob flag."""
+        prompts, batch = self.prompts(req.text, req.input_ids)
+        sps = req.sampling_params if isinstance(req.sampling_params, list) else \
+            [req.sampling_params or SamplingParamsIn()] * len(prompts)
+        rids = req.rid if isinstance(req.rid, list) else \
+            [req.rid] if req.rid is not None and not batch else [None] * len(prompts)
+        lps = req.return_logprob if isinstance(req.return_logprob, list) else [req.return_logprob] * len(prompts)
+        for name, values in (("sampling_params", sps), ("rid", rids), ("return_logprob", lps)):
+            if len(values) != len(prompts):
+                raise BadRequest(f"'{name}' has {len(values)} entries for {len(prompts)} prompts")
+        seqs, flags = [], []
+        for i, (ids, sp, rid, lp) in enumerate(zip(prompts, sps, rids, lps)):
+            params = self.sampling(sp, f"sampling_params[{i}]" if batch else "sampling_params")
+            rid = rid or uuid.uuid4().hex
+            for j in range(sp.n):
+                p = params if sp.n == 1 or params.seed is None else \
+                    SamplingParams(**{**asdict(params), "seed": params.seed + j})
+                seqs.append(Sequence(rid if sp.n == 1 else f"{rid}-{j}", list(ids), p,
+                                     group_rid=rid if sp.n > 1 else None, stream=req.stream))
+                flags.append(lp)
+        return seqs, flags, batch or len(seqs) > 1
+
+    # ---- sequences -> replies -------------------------------------------------------------
+    def output(self, seq: Sequence, n: int, return_logprob: bool) -> dict:
+        ids = seq.output_ids[:n]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        reason = seq.finish_reason if seq.finished else None
+        if reason and reason["type"] == "stop" and isinstance(reason.get("matched"), str):
+            cut = text.find(reason["matched"])
+            text = text[:cut] if cut >= 0 else text
+        meta = {
+            "id": seq.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": str(seq.output_versions[n - 1] if n else self.engine.version),
+            "output_token_versions": seq.output_versions[:n],
+            "e2e_latency": time.monotonic() - seq.arrival,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(seq.output_logprobs[:n], ids)]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
+
+    def attach(self, seqs: list[Sequence]) -> asyncio.Queue:
+        """The engine reports (index, tokens so far) into this queue from its own thread."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        for i, s in enumerate(seqs):
+            s.on_update = lambda seq, i=i: loop.call_soon_threadsafe(
+                events.put_nowait, (i, len(seq.output_ids), seq.finished))
+        return events
+
+    async def run(self, seqs: list[Sequence]) -> None:
+        """Wait for every sequence to finish; abort them if the caller goes away."""
+        events = self.attach(seqs)
+        await asyncio.wrap_future(self.engine.add(seqs))
+        pending = len(seqs)
+        try:
+            while pending:
+                _, _, finished = await events.get()
+                pending -= finished
+        except asyncio.CancelledError:
+            for s in seqs:
+                self.engine.abort(s.rid)
+            raise
+
+    async def stream(self, seqs: list[Sequence], flags: list[bool], batch: bool) -> AsyncIterator[str]:
+        events = self.attach(seqs)
+        await asyncio.wrap_future(self.engine.add(seqs))
+        pending = len(seqs)
+        try:
+            while pending:
+                i, n, finished = await events.get()
+                pending -= finished
+                out = self.output(seqs[i], n, flags[i])
+                if batch:
+                    out["index"] = i
+                yield f"data: {json.dumps(out)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if pending:
+                for s in seqs:
+                    self.engine.abort(s.rid)
+
+    async def generate(self, req: GenerateReqInput):
+        seqs, flags, batch = self.sequences(req)
+        if req.stream:
+            return StreamingResponse(self.stream(seqs, flags, batch), media_type="text/event-stream")
+        await self.run(seqs)
+        outs = [self.output(s, len(s.output_ids), f) for s, f in zip(seqs, flags)]
+        return outs if batch else outs[0]
+
+
+def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key: str | None = None) -> FastAPI:
+    server = Server(engine, model_path, host, api_key)
+    app = FastAPI(title="Riptide inference server")
+    app.state.server = server
+    admin_locked = api_key is None and not is_loopback(host)
+    if admin_locked:
+        log.warning("listening on %s without --api-key: admin endpoints are refused", host)
+
+    @app.on_event("startup")
+    async def _start():
+        engine.start()
+
+    @app.on_event("shutdown")
+    async def _stop():
+        engine.shutdown()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        path = request.url.path
+        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <api-key>)"},
+                                status_code=401)
+        if admin_locked and (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)):
+            return JSONResponse({"error": f"{path} is an admin endpoint: start the server with --api-key "
+                                          f"to use it on a non-loopback address ({host})"}, status_code=403)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return JSONResponse({"error": validation_message(exc.errors())}, status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _bad(_, exc: ValueError):
+        return JSONResponse({"error": str(exc)}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("%s failed", request.url.path)
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+    # ---- generation -----------------------------------------------------------------------
+    @app.post("/generate")
+    async def generate(req: GenerateReqInput = body(GenerateReqInput)):
+        return await server.generate(req)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest = body(CompletionRequest)):
+        from inference_server.openai_api import completion
+        return await completion(server, req)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest = body(ChatCompletionRequest)):
+        from inference_server.openai_api import chat_completion
+        return await chat_completion(server, req)
+
+    # ---- control ----------------------------------------------------------------------------
+    @app.post("/abort_request")
+    async def abort_request(req: AbortReqInput = body(AbortReqInput)):
+        if not req.abort_all and not req.rid:
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        seqs = await asyncio.wrap_future(engine.abort(None if req.abort_all else req.rid))
+        return {"success": True, "aborted": [s.rid for s in seqs]}
+
+    @app.post("/pause_generation")
+    async def pause_generation(req: PauseGenerationReqInput = body(PauseGenerationReqInput)):
+        await asyncio.wrap_future(engine.pause(PauseMode(req.mode)))
+        return {"success": True, "mode": req.mode}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.wrap_future(engine.resume())
+        return {"success": True}
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        # The slot cache holds only live sequences; there is no prefix cache to drop.
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(req: UpdateWeightsFromDiskReqInput = body(UpdateWeightsFromDiskReqInput)):
+        version = parse_version(req.weight_version)
+        version = engine.version + 1 if version is None else version
+        try:
+            tensors = await asyncio.to_thread(engine.load_from_disk, req.model_path)
+        except FileNotFoundError as e:
+            raise BadRequest(f"model_path: {e}") from None
+        if req.abort_all_requests:
+            await asyncio.wrap_future(engine.abort(None))
+        stall = await asyncio.wrap_future(engine.swap_weights(tensors, version))
+        return {"success": True, "message": f"loaded {req.model_path}", "weight_version": str(version),
+                "stall_seconds": stall}
+
+    # ---- information --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        alive = engine._thread is not None and engine._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        seq = Sequence(f"health-{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0))
+        await asyncio.wait_for(server.run([seq]), timeout=60)
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {"model_path": model_path, "tokenizer_path": model_path, "is_generation": True,
+                "weight_version": str(engine.version), "vocab_size": engine.vocab_size,
+                "context_length": engine.context_length}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        running, waiting = engine.counts()
+        return {**asdict(engine.args), "host": host, "context_length": engine.context_length,
+                "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+                "runner": type(engine.runner).__name__, "weight_version": str(engine.version),
+                "paused": engine.scheduler.paused, "num_running": running, "num_waiting": waiting,
+                "stats": asdict(engine.stats)}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": str(engine.version)}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,148 @@
+"""Wire messages of the HTTP API, in SGLang's native shape plus Riptide's extras.
+
+Fields are strict (a string is not an int); unknown sampling fields that SGLang accepts are ignored,
+so SGLang clients work unchanged. Checks that need the model (vocabulary, context) live in the server.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+Number = Union[StrictInt, StrictFloat]
+MAX_N = 64
+
+
+class SamplingParamsIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    max_new_tokens: StrictInt = 128
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    min_p: Number = 0.0
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Union[list[StrictInt], None] = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = 1
+    seed: Union[StrictInt, None] = None
+
+    @field_validator("max_new_tokens")
+    @classmethod
+    def _max_new(cls, v):
+        if v < 0:
+            raise ValueError("must be >= 0")
+        return v
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, v):
+        if v < 0:
+            raise ValueError("must be >= 0 (0 means greedy)")
+        return float(v)
+
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, v):
+        if not 0 < v <= 1:
+            raise ValueError("must be in (0, 1]")
+        return float(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v == 0 or v < -1:
+            raise ValueError("must be -1 (off) or >= 1")
+        return v
+
+    @field_validator("min_p")
+    @classmethod
+    def _min_p(cls, v):
+        if not 0 <= v <= 1:
+            raise ValueError("must be in [0, 1]")
+        return float(v)
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if not 1 <= v <= MAX_N:
+            raise ValueError(f"must be in [1, {MAX_N}]")
+        return v
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class GenerateReqInput(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    text: Union[StrictStr, list[StrictStr], None] = None
+    input_ids: Union[list[StrictInt], list[list[StrictInt]], None] = None
+    sampling_params: Union[SamplingParamsIn, list[SamplingParamsIn], None] = None
+    return_logprob: Union[StrictBool, list[StrictBool]] = False
+    stream: StrictBool = False
+    rid: Union[StrictStr, list[StrictStr], None] = None
+
+
+class AbortReqInput(BaseModel):
+    rid: StrictStr = ""
+    abort_all: StrictBool = False
+
+
+class PauseGenerationReqInput(BaseModel):
+    mode: Literal["abort", "in_place", "retract"] = "abort"
+
+
+class UpdateWeightsFromDiskReqInput(BaseModel):
+    model_path: StrictStr
+    weight_version: Union[StrictInt, StrictStr, None] = None
+    load_format: Union[StrictStr, None] = None
+    abort_all_requests: StrictBool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Union[StrictStr, None] = None
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    max_tokens: StrictInt = 16
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    min_p: Number = 0.0
+    n: StrictInt = 1
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Union[StrictInt, None] = None
+    logprobs: Union[StrictInt, None] = None
+    stream: StrictBool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: StrictStr
+    content: Union[StrictStr, None] = None
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Union[StrictStr, None] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Union[StrictInt, None] = None
+    max_completion_tokens: Union[StrictInt, None] = None
+    temperature: Number = 1.0
+    top_p: Number = 1.0
+    top_k: StrictInt = -1
+    min_p: Number = 0.0
+    n: StrictInt = 1
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: Union[StrictInt, None] = None
+    logprobs: StrictBool = False
+    stream: StrictBool = False
+
+
+def parse_version(value: int | str | None, field: str = "weight_version") -> int | None:
+    """Riptide's weight versions are integers (staleness is a difference of versions)."""
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{field}: {value!r} is not an integer version") from None

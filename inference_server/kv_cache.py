@@ -1,0 +1,36 @@
+"""Contiguous per-slot KV cache: slot `i` holds sequence `running[i]`'s keys and values."""
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, context_length: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_slots, num_kv_heads, context_length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write_prefill(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [kv_heads, len, head_dim]
+        n = k.shape[1]
+        self.k[layer, slot, :, :n] = k
+        self.v[layer, slot, :, :n] = v
+
+    def write_decode(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [batch, kv_heads, head_dim]; batch row b lives in slot b
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[layer, rows, :, positions] = k
+        self.v[layer, rows, :, positions] = v
+
+    def view(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # [batch, kv_heads, length, head_dim], strided views: no copy
+        return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, :length]
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]

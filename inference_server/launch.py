@@ -1,0 +1,47 @@
+"""`riptide-serve` / `python -m inference_server`: flags named as SGLang's launcher names them."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from inference_server.engine import Engine, EngineArgs
+from inference_server.http_server import create_app, is_loopback
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="riptide-serve", description="Riptide's embedded inference server")
+    p.add_argument("--model-path", required=True, help="a local Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 elsewhere), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda[:N], npu[:N]")
+    p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's, capped at 4096")
+    p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill step")
+    p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
+    p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
+    p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    if a.max_running_requests < 1:
+        p.error("--max-running-requests must be >= 1")
+    return a
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
+                               max_running_requests=a.max_running_requests, context_length=a.context_length,
+                               max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
+                               weight_version=a.weight_version))
+    app = create_app(engine, a.model_path, a.host, a.api_key)
+    if not is_loopback(a.host) and a.api_key is None:
+        logging.getLogger(__name__).warning("admin endpoints are refused on %s without --api-key", a.host)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

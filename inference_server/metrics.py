@@ -1,0 +1,37 @@
+"""Prometheus text for one engine, read from its counters at scrape time (no module globals)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e, s = self.engine, self.engine.stats
+        running, waiting = e.counts()
+        for name, doc, value in (
+            ("riptide_prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens),
+            ("riptide_generation_tokens", "Tokens generated", s.generation_tokens),
+            ("riptide_requests_finished", "Sequences finished, aborts included", s.finished_requests),
+            ("riptide_requests_aborted", "Sequences aborted", s.aborted_requests),
+            ("riptide_engine_steps", "Engine steps run", s.steps),
+            ("riptide_engine_busy_seconds", "Seconds spent inside engine steps", s.busy_seconds),
+            ("riptide_weight_updates", "Weight versions swapped in", s.weight_updates),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        for name, doc, value in (
+            ("riptide_num_running_reqs", "Sequences holding a KV slot", running),
+            ("riptide_num_queue_reqs", "Sequences waiting for a slot", waiting),
+            ("riptide_weight_version", "Weight version being served", e.version),
+            ("riptide_last_swap_stall_seconds", "Serving stall of the last weight swap", s.last_swap_stall_s),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+def metrics_text(engine) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(engine))
+    return generate_latest(registry)

@@ -1,0 +1,159 @@
+"""Runs the model: prefill of newcomers, batched decode over the KV cache, logits of the last token.
+
+Two runners behind one interface. `DecoderRunner` is the fast path for the Llama-style decoder
+family (Llama, Mistral, Qwen2, Qwen3): it calls the transformers model's own submodules (so its
+parameters, names and weight updates are the checkpoint's) but owns the attention and the KV
+cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inference_server.kv_cache import SlotKVCache
+from inference_server.sequence import Sequence
+
+_FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def supports_fast_path(model) -> bool:
+    cfg = model.config
+    layer_types = getattr(cfg, "layer_types", None) or []
+    return (cfg.model_type in _FAST_FAMILIES
+            and not getattr(cfg, "use_sliding_window", False)
+            and "sliding_attention" not in layer_types
+            and (cfg.model_type != "mistral" or cfg.sliding_window is None))
+
+
+class DecoderRunner:
+    def __init__(self, model, num_slots: int, context_length: int):
+        self.model = model
+        cfg = model.config
+        self.decoder = model.model
+        self.layers = list(self.decoder.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = attn.scaling
+        param = next(model.parameters())
+        self.device = param.device
+        self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
+                              self.head_dim, param.dtype, param.device)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.decoder.rotary_emb(x, positions[None])
+        return cos[0, :, None, :], sin[0, :, None, :]   # [tokens, 1, head_dim]
+
+    def _qkv(self, attn, h: torch.Tensor, cos, sin):
+        t = h.shape[0]
+        q = attn.q_proj(h).view(t, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):    # Qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v                 # [tokens, heads, head_dim]
+
+    def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        cos, sin = self._rope(x, positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(layer.self_attn, h, cos, sin)
+            x = x + layer.self_attn.o_proj(attend(i, q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.decoder.norm(x)).float()
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run whole prompts (prompt + any output already made) of newcomers; [batch, vocab]."""
+        ids = [s.all_ids for s in seqs]
+        lens = [len(i) for i in ids]
+        tokens = torch.tensor([t for i in ids for t in i], device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        starts = [sum(lens[:j]) for j in range(len(lens))]
+
+        def attend(layer, q, k, v):
+            out = torch.empty_like(q)
+            for s, start, n in zip(seqs, starts, lens):
+                qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
+                self.kv.write_prefill(layer, s.slot, ks, vs)
+                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
+                                                   scale=self.scaling, enable_gqa=True)
+                out[start:start + n] = o[0].transpose(0, 1)
+            return out.flatten(1)
+
+        x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
+        last = torch.tensor([st + n - 1 for st, n in zip(starts, lens)], device=self.device)
+        return self._logits(x[last])
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for each running sequence; `seqs[b]` owns slot `b`. Returns [batch, vocab]."""
+        b = len(seqs)
+        tokens = torch.tensor([s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs],
+                              device=self.device)
+        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
+        length = int(positions.max()) + 1
+        mask = (torch.arange(length, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend(layer, q, k, v):
+            self.kv.write_decode(layer, positions, k, v)
+            ks, vs = self.kv.view(layer, b, length)
+            o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask,
+                                               scale=self.scaling, enable_gqa=True)
+            return o.reshape(b, -1)
+
+        x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
+        return self._logits(x)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.kv.move(src, dst, length)
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class GenericRunner:
+    """Any causal LM: its own forward and cache, one sequence at a time. Correct, not fast."""
+
+    def __init__(self, model, num_slots: int, context_length: int):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.caches: list = [None] * num_slots
+
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = []
+        for s in seqs:
+            out = self.model(torch.tensor([s.all_ids], device=self.device), use_cache=True)
+            self.caches[s.slot] = out.past_key_values
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows).float()
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = []
+        for s in seqs:
+            ids = torch.tensor([[s.output_ids[-1]]], device=self.device)
+            out = self.model(ids, past_key_values=self.caches[s.slot], use_cache=True)
+            self.caches[s.slot] = out.past_key_values
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows).float()
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        self.caches[dst], self.caches[src] = self.caches[src], None
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.caches[seq.slot] = None
+
+
+def make_runner(model, num_slots: int, context_length: int):
+    cls = DecoderRunner if supports_fast_path(model) else GenericRunner
+    return cls(model, num_slots, context_length)

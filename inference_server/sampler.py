@@ -1,0 +1,60 @@
+"""Turns logits into tokens and the logprobs a trainer will recompute.
+
+The logprob is log_softmax(logits / temperature) at the sampled token, taken before top-k, top-p or
+min-p truncation (at temperature 0: of the raw logits). Sampling is inverse-CDF (cumsum +
+searchsorted), not torch.multinomial: on CPU it is ~20x cheaper at batch 64.
+"""
+from __future__ import annotations
+
+import torch
+
+from inference_server.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device):
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        # logits: [batch, vocab] float32
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        greedy = temps == 0
+        logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        if bool(greedy.all()):
+            tokens = logits.argmax(dim=-1)
+        else:
+            probs = logprobs.exp()
+            if any(p.truncates for p in params):
+                probs = self._truncate(probs, params)
+            cdf = probs.cumsum(dim=-1)
+            u = self._uniforms(seqs).to(logits.device)
+            tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+            if bool(greedy.any()):
+                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        return tokens.tolist(), chosen.tolist()
+
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        u = torch.rand(len(seqs), generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                u[i] = torch.rand(1, generator=s.generator)[0]
+        return u
+
+    @staticmethod
+    def _truncate(probs: torch.Tensor, params) -> torch.Tensor:
+        # probs: [batch, vocab]; zero what top-k, top-p and min-p cut, per row
+        vocab = probs.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
+        top_p = torch.tensor([p.top_p for p in params], device=probs.device)
+        min_p = torch.tensor([p.min_p for p in params], device=probs.device)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=probs.device)[None, :]
+        cut = rank >= top_k[:, None]
+        cut |= (sorted_p.cumsum(dim=-1) - sorted_p) > top_p[:, None]   # keep the token that crosses p
+        cut |= sorted_p < (min_p * sorted_p[:, 0])[:, None]
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        return torch.zeros_like(probs).scatter_(1, order, sorted_p)

@@ -1,0 +1,74 @@
+"""Decides which sequences run each step. Imports no torch.
+
+Slots: `running[i]` owns KV slot `i`, always a dense prefix, so a decode step attends over slots
+`[0, len(running))` with no gather. Removing a sequence moves the last one into its hole; the
+caller applies the returned move `(src, dst)` to the KV cache.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from inference_server.sequence import Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, max_running: int, max_prefill_tokens: int, context_length: int):
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.context_length = context_length
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.paused = False
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return not self.paused and bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Prefill newcomers while slots and the token budget allow; otherwise decode everyone."""
+        if self.paused:
+            return [], False
+        batch, budget = [], self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if batch and seq.num_tokens > budget:
+                break
+            self.waiting.popleft()
+            budget -= seq.num_tokens
+            seq.slot, seq.status = len(self.running), SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+        if batch:
+            return batch, True
+        return list(self.running), False
+
+    def remove(self, seq: Sequence) -> tuple[int, int] | None:
+        """Take `seq` out of the queues. Returns the KV slot move `(src, dst)` this causes, if any."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+            return None
+        if seq.slot is None:
+            return None
+        hole, last = seq.slot, self.running.pop()
+        seq.slot = None
+        if last is seq:
+            return None
+        self.running[hole], last.slot = last, hole
+        return len(self.running), hole
+
+    def find(self, rid: str) -> list[Sequence]:
+        return [s for s in (*self.running, *self.waiting) if s.matches(rid)]
+
+    def all(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    def retract_all(self) -> None:
+        """Give back every KV slot; the sequences re-prefill prompt + output when they resume."""
+        for seq in reversed(self.running):
+            seq.slot, seq.status = None, SeqStatus.WAITING
+            seq.num_retractions += 1
+            self.waiting.appendleft(seq)
+        self.running.clear()

@@ -1,0 +1,86 @@
+"""One request's state as the engine sees it: tokens in, tokens out, and how it ended."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"      # queued; holds no KV slot
+    RUNNING = "running"      # holds a KV slot; decoded every step
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    group_rid: str | None = None             # the request a sample of n > 1 belongs to
+    stream: bool = False
+    on_update: Callable[["Sequence"], Any] | None = None  # called from the engine thread
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: dict | None = None
+    slot: int | None = None
+    prefill_version: int | None = None       # weights that computed the KV cache of the prompt
+    num_retractions: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    order: int = field(default_factory=lambda: next(_counter))
+    generator: Any = None                     # torch.Generator when params.seed is set
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def matches(self, rid: str) -> bool:
+        return self.rid == rid or self.group_rid == rid
+
+    def append(self, token: int, logprob: float, version: int) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        self.output_ids.append(token)
+        self.output_logprobs.append(logprob)
+        self.output_versions.append(version)
+
+    def finish(self, reason: dict) -> None:
+        self.status = SeqStatus.FINISHED
+        self.finish_reason = reason
+        self.slot = None

@@ -1,0 +1,227 @@
+"""GRPO math as pure functions: advantages, the clipped policy loss, KL estimators, logprobs.
+
+Conventions shared by every function here:
+- Per-token tensors are `[batch, seq]`, aligned with the response tokens; `loss_mask` is 1 where a
+  token counts (sampled by the policy) and 0 for padding and tool/environment tokens.
+- Metrics are detached 0-d tensors, so logging them costs no device sync until the caller asks.
+- Every mean over tokens divides by the count clamped to 1: an all-masked batch gives 0, not NaN.
+
+Off-policy data. Three policies meet in an asynchronous step:
+- behaviour: the inference server's weights that sampled the tokens (`behaviour_logprobs`, returned
+  by the server);
+- proximal ("old"): the trainer's weights before this step, recomputed by the trainer
+  (`old_logprobs`); the PPO clip is centred here;
+- current: the weights being optimised (`logprobs`, with grad).
+`policy_loss` clips exp(logprobs - old_logprobs) and multiplies each token's loss by the detached
+weight min(exp(old_logprobs - behaviour_logprobs), tis_cap). That one formula is both truncated
+importance sampling (verl/slime naming: `old_log_prob`, `rollout_log_probs`) and AReaL's decoupled
+PPO objective (AReaL naming: `prox_logp` goes in `old_logprobs`, AReaL's `old_logp`, the behaviour
+policy, goes in `behaviour_logprobs`). AReaL drops tokens whose weight exceeds the cap where this
+truncates them to the cap.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(
+    rewards: Tensor,  # [num_groups * group_size], group-major: group g is rewards[g*n:(g+1)*n]
+    group_size: int,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:  # [num_groups * group_size]
+    """Mean-centre rewards within each group; with `normalize_std`, divide by (group std + eps).
+
+    The std is the sample std (Bessel's correction, divide by n - 1), as TRL, verl and OpenRLHF
+    compute it, so advantages match what users see there. A group whose rewards are all equal
+    gets advantages of 0.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a GRPO group needs at least 2 samples for a baseline")
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"rewards has shape {tuple(rewards.shape)}; expected one dim of num_groups * group_size "
+            f"(group_size={group_size})"
+        )
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    grouped = rewards.view(-1, group_size)  # [num_groups, group_size]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centred = centred / (grouped.std(dim=1, correction=1, keepdim=True) + eps)
+    return centred.view(-1)
+
+
+def kl_k3(
+    logprobs: Tensor,  # [batch, seq] policy that sampled the tokens
+    ref_logprobs: Tensor,  # [batch, seq]
+) -> Tensor:  # [batch, seq]
+    """Schulman's k3 estimator of KL(policy || ref), per token: exp(ref - lp) - (ref - lp) - 1.
+
+    Unbiased when the tokens were sampled from `logprobs`' policy, and never negative.
+    """
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_mean(
+    values: Tensor,  # [batch, seq]
+    mask: Tensor,  # [batch, seq], float 0/1
+) -> Tensor:  # []
+    """Sum over all masked tokens / number of masked tokens: long sequences weigh more."""
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def seq_mean_token_mean(
+    values: Tensor,  # [batch, seq]
+    mask: Tensor,  # [batch, seq], float 0/1
+) -> Tensor:  # []
+    """Mean over tokens within each sequence, then over sequences with at least one masked token."""
+    tokens_per_seq = mask.sum(dim=1)  # [batch]
+    per_seq = (values * mask).sum(dim=1) / tokens_per_seq.clamp(min=1)  # [batch]
+    has_tokens = (tokens_per_seq > 0).to(values.dtype)  # [batch]
+    return (per_seq * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token-mean": token_mean,
+    "seq-mean-token-mean": seq_mean_token_mean,
+}
+
+
+def aggregate(values: Tensor, mask: Tensor, agg: str) -> Tensor:
+    """Reduce per-token `values` [batch, seq] over `mask` with the aggregation named `agg`."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
+    return AGGREGATIONS[agg](values, mask)
+
+
+def policy_loss(
+    logprobs: Tensor,  # [batch, seq] current policy, with grad
+    old_logprobs: Tensor,  # [batch, seq] proximal policy: trainer weights before this step
+    advantages: Tensor,  # [batch] per sequence, or [batch, seq] per token
+    loss_mask: Tensor,  # [batch, seq] 1 = token counts
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    agg: str = "token-mean",
+    behaviour_logprobs: Tensor | None = None,  # [batch, seq] from the inference server
+    tis_cap: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped objective per token with separate low/high clip (DAPO clip-higher).
+
+    loss_t = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A) * w_t, r_t = exp(lp - old),
+    w_t = min(exp(old - behaviour), tis_cap) detached when `behaviour_logprobs` is given, else 1.
+    Pass `behaviour_logprobs` and `tis_cap` together (tis_cap=float("inf") for untruncated
+    importance sampling). See the module docstring for how this covers truncated importance
+    sampling and AReaL's decoupled PPO.
+
+    Metrics are token means over masked tokens, whatever `agg` is. A clip fraction counts tokens
+    where that clip binds (zeroes the gradient): r < 1 - clip_low with A < 0, r > 1 + clip_high
+    with A > 0. `approx_kl` is k3 of KL(old || current): mean of (r - 1) - log r.
+    """
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(
+            f"clip_low={clip_low}, clip_high={clip_high}: need 0 <= clip_low < 1 and clip_high >= 0"
+        )
+    if (behaviour_logprobs is None) != (tis_cap is None):
+        raise ValueError(
+            "pass behaviour_logprobs and tis_cap together (tis_cap=float('inf') for untruncated "
+            "importance sampling), or neither for on-policy data"
+        )
+    check_same_shape(
+        logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask, behaviour_logprobs=behaviour_logprobs
+    )
+    advantages = per_token_advantages(advantages, logprobs)  # [batch, seq] or [batch, 1]
+    mask = loss_mask.to(logprobs.dtype)  # [batch, seq]
+
+    log_ratio = logprobs - old_logprobs  # [batch, seq]
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [batch, seq]
+
+    metrics: dict[str, Tensor] = {}
+    if behaviour_logprobs is not None:
+        weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()  # [batch, seq]
+        per_token = per_token * weight
+        metrics["tis_weight_mean"] = token_mean(weight, mask)
+
+    with torch.no_grad():
+        clipped_low = ((ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype)
+        clipped_high = ((ratio > 1 + clip_high) & (advantages > 0)).to(mask.dtype)
+        metrics["clip_fraction_low"] = token_mean(clipped_low, mask)
+        metrics["clip_fraction_high"] = token_mean(clipped_high, mask)
+        metrics["approx_kl"] = token_mean(ratio - 1 - log_ratio, mask)
+        metrics["ratio_mean"] = token_mean(ratio, mask)
+    return AGGREGATIONS[agg](per_token, mask), metrics
+
+
+def per_token_advantages(
+    advantages: Tensor,  # [batch] or [batch, seq]
+    logprobs: Tensor,  # [batch, seq]
+) -> Tensor:  # [batch, 1] (broadcasts over tokens) or [batch, seq]
+    if advantages.shape == logprobs.shape[:1]:
+        return advantages.unsqueeze(-1)
+    if advantages.shape == logprobs.shape:
+        return advantages
+    raise ValueError(
+        f"advantages has shape {tuple(advantages.shape)}; expected [batch] or [batch, seq] = "
+        f"{tuple(logprobs.shape)}"
+    )
+
+
+def check_same_shape(reference: Tensor, **tensors: Tensor | None) -> None:
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.shape != reference.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected {tuple(reference.shape)}")
+
+
+def logprob_mismatch(
+    trainer_logprobs: Tensor,  # [batch, seq]
+    inference_logprobs: Tensor,  # [batch, seq]
+    loss_mask: Tensor,  # [batch, seq]
+) -> dict[str, Tensor]:
+    """How far the trainer's logprobs of the sampled tokens are from the server's, over masked tokens.
+
+    `mean_abs_diff`: mean |trainer - inference|. `kl_k3`: k3 estimate of KL(inference || trainer),
+    the direction the samples (drawn by the server) estimate without bias.
+    """
+    check_same_shape(trainer_logprobs, inference_logprobs=inference_logprobs, loss_mask=loss_mask)
+    with torch.no_grad():
+        mask = loss_mask.to(trainer_logprobs.dtype)
+        return {
+            "mean_abs_diff": token_mean((trainer_logprobs - inference_logprobs).abs(), mask),
+            "kl_k3": token_mean(kl_k3(inference_logprobs, trainer_logprobs), mask),
+        }
+
+
+def sequence_logprobs(
+    logits: Tensor,  # [batch, seq, vocab] causal LM output over input_ids
+    input_ids: Tensor,  # [batch, seq]
+    temperature: float = 1.0,
+) -> Tensor:  # [batch, seq - 1], float32 or wider
+    """Logprob of each next token: log_softmax(logits[:, :-1] / temperature) at input_ids[:, 1:].
+
+    Works one sequence at a time in float32 (or the logits' dtype, if wider) as logit - logsumexp,
+    so the forward pass holds one sequence's copy of the vocab-sized logits, never a full
+    [batch, seq, vocab] log-softmax; autograd keeps at most one full float32 copy for backward.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits has shape {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}; "
+            "expected [batch, seq, vocab] and [batch, seq]"
+        )
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    targets = input_ids[:, 1:]  # [batch, seq - 1]
+    rows = []
+    for row_logits, row_targets in zip(logits[:, :-1], targets):  # [seq - 1, vocab], [seq - 1]
+        scaled = row_logits.to(dtype) / temperature
+        target_logits = scaled.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [seq - 1]
+        rows.append(target_logits - torch.logsumexp(scaled, dim=-1))
+    return torch.stack(rows)
