@@ -7,6 +7,7 @@ the field named, anything else a logged 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import re
@@ -241,19 +242,17 @@ class Server:
 
 def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key: str | None = None) -> FastAPI:
     server = Server(engine, model_path, host, api_key)
-    app = FastAPI(title="Riptide inference server")
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="Riptide inference server", lifespan=lifespan)
     app.state.server = server
     admin_locked = api_key is None and not is_loopback(host)
     if admin_locked:
         log.warning("listening on %s without --api-key: admin endpoints are refused", host)
-
-    @app.on_event("startup")
-    async def _start():
-        engine.start()
-
-    @app.on_event("shutdown")
-    async def _stop():
-        engine.shutdown()
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):

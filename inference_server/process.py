@@ -1,0 +1,81 @@
+"""Start and stop server subprocesses on free loopback ports (tests, benches, launches)."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m inference_server ...` as a child process; a context manager that always stops it."""
+
+    def __init__(self, model_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
+                 args: list[str] | None = None, log_path: str | Path | None = None, env: dict | None = None):
+        self.model_path, self.host = str(model_path), host
+        self.port = port or free_port(host)
+        self.args = list(args or [])
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "inference_server", "--model-path", self.model_path,
+               "--host", self.host, "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(self.env or {})}, start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        headers = {}
+        if "--api-key" in self.args:
+            headers["Authorization"] = f"Bearer {self.args[self.args.index('--api-key') + 1]}"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server on port {self.port} exited with code {self.proc.returncode}"
+                                   + (f"; see {self.log_path}" if self.log_path else ""))
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2, headers=headers).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server on port {self.port} not ready after {timeout:.0f}s")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self._log not in (None, subprocess.DEVNULL):
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
