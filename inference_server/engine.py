@@ -45,6 +45,7 @@ class EngineArgs:
     max_prefill_tokens: int = 4096
     seed: int = 0
     weight_version: int = 0
+    load_weights: bool = True              # False: build from config; weights arrive from a peer (version -1)
 
 
 @dataclass
@@ -59,12 +60,12 @@ class EngineStats:
     last_swap_stall_s: float = 0.0
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    try:
+def load_model(path: str, dtype: torch.dtype, device: torch.device, load_weights: bool = True):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    if load_weights:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except TypeError:   # transformers < 4.56 names it torch_dtype
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype)
+    else:               # the architecture only: a peer pushes the weights (cold start)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model = model.to(device).eval().requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
 
@@ -84,7 +85,7 @@ class Engine:
         self.args = args
         self.device = choose_device(args.device)
         self.dtype = choose_dtype(args.dtype, self.device)
-        self.model, self.tokenizer = load_model(args.model_path, self.dtype, self.device)
+        self.model, self.tokenizer = load_model(args.model_path, self.dtype, self.device, args.load_weights)
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
         self.context_length = args.context_length or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
@@ -92,7 +93,7 @@ class Engine:
         self.runner = make_runner(self.model, args.max_running_requests, self.context_length)
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)
-        self.version = args.weight_version
+        self.version = args.weight_version if args.load_weights else -1
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -253,6 +254,12 @@ class Engine:
             self.stats.weight_updates += 1
             self.stats.last_swap_stall_s = time.perf_counter() - t0
             return self.stats.last_swap_stall_s
+        return self.submit(run)
+
+    def set_version(self, version: int) -> Future:
+        def run():
+            self.version = version
+            self.stats.weight_updates += 1
         return self.submit(run)
 
     def load_from_disk(self, path: str) -> dict[str, torch.Tensor]:

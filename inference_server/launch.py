@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 
 import uvicorn
 
 from inference_server.engine import Engine, EngineArgs
 from inference_server.http_server import create_app, is_loopback
+from weight_sync.receiver import Receiver
+from weight_sync.transports.mooncake import MooncakeTransport
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -23,6 +26,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
+    p.add_argument("--weight-sync-host", default=None, help="address Mooncake listens on (default: --host)")
+    p.add_argument("--weight-sync-protocol", default="tcp", help="Mooncake protocol: tcp, rdma, ...")
+    p.add_argument("--weight-sync-device", default="", help="Mooncake device name(s), e.g. an RDMA NIC")
+    p.add_argument("--weight-sync-mode", default="shadow", choices=["shadow", "in_place"],
+                   help="shadow: stage into a second copy, flip by pointer swap; in_place: no second copy, "
+                        "pause and write into the live weights")
+    p.add_argument("--weights-from-peer", default=None,
+                   help="URL of a live server: start without reading weights from disk and pull them from it")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     if a.max_running_requests < 1:
@@ -36,8 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
                                max_running_requests=a.max_running_requests, context_length=a.context_length,
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
-                               weight_version=a.weight_version))
-    app = create_app(engine, a.model_path, a.host, a.api_key)
+                               weight_version=a.weight_version, load_weights=a.weights_from_peer is None))
+    receiver = Receiver(engine, functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
+                                                  a.weight_sync_protocol, a.weight_sync_device),
+                        shadow=a.weight_sync_mode == "shadow")
+    app = create_app(engine, a.model_path, a.host, a.api_key, receiver=receiver,
+                     weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
     if not is_loopback(a.host) and a.api_key is None:
         logging.getLogger(__name__).warning("admin endpoints are refused on %s without --api-key", a.host)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)

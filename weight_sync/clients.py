@@ -1,0 +1,87 @@
+"""How a sender reaches a receiver: over HTTP (a server process) or by direct call (colocated)."""
+from __future__ import annotations
+
+import httpx
+
+from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, OpenReply, OpenRequest,
+                                  VersionRequest)
+
+
+class ReceiverCallError(RuntimeError):
+    """A receiver refused or did not answer; `kind` is the protocol's ErrorKind when it refused."""
+
+    def __init__(self, name: str, message: str, kind: ErrorKind | None = None):
+        super().__init__(f"receiver {name}: {message}")
+        self.receiver, self.kind = name, kind
+
+
+class HttpReceiverClient:
+    def __init__(self, url: str, timeout_s: float = 30.0, api_key: str | None = None):
+        self.name = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.name, timeout=timeout_s, headers=headers)
+
+    def _post(self, path: str, msg) -> dict:
+        try:
+            r = self._http.post(f"/weight_sync/{path}", json=msg.model_dump(mode="json"))
+        except httpx.TimeoutException:
+            raise ReceiverCallError(self.name, f"/{path} timed out after {self._http.timeout.read}s "
+                                               f"(frozen or overloaded?)") from None
+        except httpx.HTTPError as e:
+            raise ReceiverCallError(self.name, f"/{path} failed: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            kind = body.get("kind")
+            raise ReceiverCallError(self.name, f"/{path} answered {r.status_code}: {body.get('error', r.text)}",
+                                    ErrorKind(kind) if kind else None)
+        return r.json()
+
+    def open(self, req: OpenRequest) -> OpenReply:
+        return OpenReply.model_validate(self._post("open", req))
+
+    def apply(self, req: ApplyRequest) -> None:
+        self._post("apply", req)
+
+    def prepare(self, version: int) -> None:
+        self._post("prepare", VersionRequest(version=version))
+
+    def commit(self, req: CommitRequest) -> CommitReply:
+        return CommitReply.model_validate(self._post("commit", req))
+
+    def abort(self, version: int) -> None:
+        self._post("abort", VersionRequest(version=version))
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class LocalReceiverClient:
+    """A receiver in this process (colocated server): the same calls, no HTTP."""
+
+    def __init__(self, receiver, name: str = "local"):
+        self.receiver, self.name = receiver, name
+
+    def _call(self, fn, *args):
+        from weight_sync.receiver import ReceiverError
+        try:
+            return fn(*args)
+        except ReceiverError as e:
+            raise ReceiverCallError(self.name, str(e), e.kind) from None
+
+    def open(self, req: OpenRequest) -> OpenReply:
+        return self._call(self.receiver.open, req)
+
+    def apply(self, req: ApplyRequest) -> None:
+        self._call(self.receiver.apply, req)
+
+    def prepare(self, version: int) -> None:
+        self._call(self.receiver.prepare, version)
+
+    def commit(self, req: CommitRequest) -> CommitReply:
+        return self._call(self.receiver.commit, req)
+
+    def abort(self, version: int) -> None:
+        self._call(self.receiver.abort, version)
+
+    def close(self) -> None:
+        pass

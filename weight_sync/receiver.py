@@ -1,0 +1,177 @@
+"""The receiving end of weight sync, inside an inference server: stage, verify, commit.
+
+Shadow mode (default): buckets are verified and copied into a second set of weights while the
+engine keeps serving; commit swaps pointers between two decode steps, so the stall is the swap.
+The old live set becomes the next update's shadow. In-place mode (no memory for a shadow): the
+engine is paused in place at the first bucket and buckets are copied into the live weights; a
+failed update leaves the engine paused and marked torn, never serving a mix of versions.
+Fencing: an update must be newer than what is served and than any other update staged.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference_server import weights
+from inference_server.engine import PauseMode
+from weight_sync.bucket import Bucket, TensorSpec, digest, plan_buckets, unpack
+from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, InFlight, OpenReply,
+                                  OpenRequest, SpecMsg)
+from weight_sync.transports import Transport
+
+log = logging.getLogger(__name__)
+
+
+class ReceiverError(Exception):
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class _Update:
+    version: int
+    plan: list[Bucket]
+    targets: dict[str, torch.Tensor]
+    applied: set[int] = field(default_factory=set)
+    prepared: bool = False
+    started: float = field(default_factory=time.monotonic)
+    paused_at: float | None = None          # in-place mode: when the engine was paused
+
+
+class Receiver:
+    def __init__(self, engine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0):
+        self.engine = engine
+        self.shadow = shadow
+        self.stage_timeout_s = stage_timeout_s
+        self._make_transport = make_transport
+        self._transport: Transport | None = None
+        self._slots: list[torch.Tensor] = []
+        self._shadow: dict[str, torch.Tensor] | None = None
+        self._update: _Update | None = None
+        self._lock = threading.Lock()
+        self.torn = False                    # in-place update failed half way: weights are mixed
+
+    @property
+    def transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = self._make_transport()
+        return self._transport
+
+    def specs(self) -> list[TensorSpec]:
+        return [TensorSpec.of(n, p) for n, p in weights.parameters(self.engine.model).items()]
+
+    # ---- protocol steps -------------------------------------------------------------------------
+    def open(self, req: OpenRequest) -> OpenReply:
+        with self._lock:
+            current = self.engine.version
+            if req.version <= current and not self.torn:
+                raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the served {current}")
+            staged = self._update
+            # The same version again is a retry (its first sender died); an older one is fenced off.
+            if staged is not None and staged.version > req.version and not self._expired(staged):
+                raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the staged "
+                                                     f"update {staged.version}")
+            if staged is not None:
+                log.warning("dropping staged update %d for %d from %s", staged.version, req.version, req.sender)
+            specs = self.specs()
+            plan = plan_buckets(specs, req.bucket_bytes)
+            self._ensure_slots(max(b.nbytes for b in plan), req.num_slots)
+            self._update = _Update(req.version, plan, self._targets())
+            return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in self._slots],
+                             specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
+                             current_version=current)
+
+    def apply(self, req: ApplyRequest) -> None:
+        """Verify the bucket in staging slot `req.slot` and copy it into the update's targets."""
+        update = self._current(req.version)
+        if not 0 <= req.bucket < len(update.plan) or not 0 <= req.slot < len(self._slots):
+            raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range")
+        bucket = update.plan[req.bucket]
+        data = self._slots[req.slot][:bucket.nbytes]
+        got = digest(data)
+        if got != req.digest:
+            raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
+                                                  f"{got} != sender's {req.digest}")
+        if not self.shadow and update.paused_at is None:
+            self.engine.pause(PauseMode.IN_PLACE).result()
+            update.paused_at = time.perf_counter()
+            self.torn = True                 # from here until commit the live weights are mixed
+        unpack(bucket, data, update.targets)
+        update.applied.add(req.bucket)
+
+    def prepare(self, version: int) -> None:
+        update = self._current(version)
+        missing = len(update.plan) - len(update.applied)
+        if missing:
+            raise ReceiverError(ErrorKind.INCOMPLETE, f"version {version}: {missing} of {len(update.plan)} "
+                                                      f"buckets not staged and verified")
+        update.prepared = True
+
+    def commit(self, req: CommitRequest) -> CommitReply:
+        update = self._current(req.version)
+        if not update.prepared:
+            raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared")
+        aborted = 0
+        if req.inflight is InFlight.ABORT:
+            aborted = len(self.engine.abort(None).result())
+        if self.shadow:
+            old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
+            stall = self.engine.swap_weights(update.targets, req.version).result()
+            self._shadow = old
+        else:
+            self.engine.set_version(req.version).result()
+            self.engine.resume().result()
+            stall = time.perf_counter() - (update.paused_at or time.perf_counter())
+            self.torn = False
+        with self._lock:
+            self._update = None
+        return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
+
+    def abort(self, version: int) -> None:
+        with self._lock:
+            if self._update is not None and self._update.version == version:
+                self._update = None
+
+    def status(self) -> dict:
+        u = self._update
+        return {"version": self.engine.version, "mode": "shadow" if self.shadow else "in_place",
+                "torn": self.torn, "staged_version": u.version if u else None,
+                "buckets_applied": len(u.applied) if u else 0, "buckets": len(u.plan) if u else 0}
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _current(self, version: int) -> _Update:
+        update = self._update
+        if update is None or update.version != version:
+            staged = update.version if update else None
+            raise ReceiverError(ErrorKind.SUPERSEDED, f"version {version} is not the staged update ({staged})")
+        return update
+
+    def _expired(self, update: _Update) -> bool:
+        return time.monotonic() - update.started > self.stage_timeout_s
+
+    def _ensure_slots(self, nbytes: int, count: int) -> None:
+        if len(self._slots) == count and self._slots[0].numel() >= nbytes:
+            return
+        for s in self._slots:
+            self.transport.unregister(s.data_ptr())
+        self._slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        for s in self._slots:
+            self.transport.register(s)
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        params = weights.parameters(self.engine.model)
+        if not self.shadow:
+            return {n: p.data for n, p in params.items()}
+        if self._shadow is None:
+            self._shadow = {n: torch.empty_like(p) for n, p in params.items()}
+        return self._shadow
