@@ -186,6 +186,7 @@ class Server:
             "cached_tokens": 0,
             "weight_version": str(seq.output_versions[n - 1] if n else self.engine.version),
             "output_token_versions": seq.output_versions[:n],
+            "kv_cache_weight_version": seq.prefill_version,
             "e2e_latency": time.monotonic() - seq.arrival,
         }
         if return_logprob:
