@@ -1,0 +1,94 @@
+"""An async client for one inference server, speaking only SGLang's native API (plus Riptide's
+optional `output_token_versions`), so it drives a real SGLang server unchanged.
+
+Every call has a timeout. Only errors where the request never reached the server (connection
+refused, DNS) are retried here, on the same server; anything else is raised as ServerError for the
+router to move the request elsewhere.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import httpx
+
+
+class ServerError(RuntimeError):
+    def __init__(self, server: str, message: str, retryable: bool = True):
+        super().__init__(f"server {server}: {message}")
+        self.server, self.retryable = server, retryable
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_type: str                  # stop | length | abort
+    text: str
+
+
+class ServerClient:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None, connect_retries: int = 2):
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
+                                       timeout=httpx.Timeout(timeout_s, connect=5.0),
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.connect_retries = connect_retries
+
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        for attempt in range(self.connect_retries + 1):
+            try:
+                kw = {"timeout": timeout} if timeout is not None else {}
+                r = await self._http.post(path, json=body, **kw)
+                break
+            except httpx.ConnectError as e:      # never reached the server: safe to try again
+                if attempt == self.connect_retries:
+                    raise ServerError(self.url, f"{path}: cannot connect ({e})") from None
+                await asyncio.sleep(0.2 * 2 ** attempt)
+            except httpx.HTTPError as e:
+                raise ServerError(self.url, f"{path}: {type(e).__name__}: {e}") from None
+        if r.status_code >= 500:
+            raise ServerError(self.url, f"{path} answered {r.status_code}: {r.text[:300]}")
+        if r.status_code >= 400:
+            raise ServerError(self.url, f"{path} refused the request ({r.status_code}): {r.text[:300]}",
+                              retryable=False)
+        return r.json()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
+                       fallback_version: int = -1) -> Generation:
+        out = await self._post("/generate", {"input_ids": input_ids, "sampling_params": sampling_params,
+                                             "return_logprob": True, "rid": rid})
+        meta = out["meta_info"]
+        ids = out["output_ids"]
+        lps = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+        versions = meta.get("output_token_versions")
+        if versions is None:                     # a plain SGLang server: one version per request
+            try:
+                versions = [int(meta.get("weight_version"))] * len(ids)
+            except (TypeError, ValueError):
+                versions = [fallback_version] * len(ids)
+        return Generation(ids, lps, versions, meta["finish_reason"]["type"], out.get("text", ""))
+
+    async def abort(self, rid: str) -> None:
+        await self._post("/abort_request", {"rid": rid}, timeout=10)
+
+    async def get(self, path: str, timeout: float = 10) -> dict:
+        try:
+            r = await self._http.get(path, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise ServerError(self.url, f"{path}: {type(e).__name__}: {e}") from None
+        if r.status_code != 200:
+            raise ServerError(self.url, f"{path} answered {r.status_code}")
+        return r.json()
+
+    async def healthy(self) -> bool:
+        try:
+            await self.get("/health", timeout=5)
+            return True
+        except ServerError:
+            return False
+
+    async def close(self) -> None:
+        await self._http.aclose()

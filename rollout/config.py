@@ -1,0 +1,62 @@
+"""The rollout manager's settings, checked once, with messages that say what to change."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+UPDATE_POLICIES = ("abort_furthest", "abort_all", "continue")
+STALE_POLICIES = ("drop", "regenerate")
+
+
+@dataclass
+class RolloutConfig:
+    group_size: int = 4                 # samples per prompt (GRPO's n)
+    batch_size: int = 8                 # groups per training batch
+    max_inflight: int = 64              # requests running on the servers at once
+    oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
+    max_staleness: int = 1              # how many versions behind the trainer any token may be
+    stale_policy: str = "drop"          # drop | regenerate a group that breaks the bound
+    update_policy: str = "abort_furthest"   # what a new weight version does to requests in flight
+    abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from done
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    use_chat_template: bool = False
+    request_timeout_s: float = 600.0
+    max_request_retries: int = 3        # moves of one request to another server after failures
+    seed: int = 0
+
+    def validate(self) -> "RolloutConfig":
+        checks = [
+            (self.group_size >= 1, f"rollout.group_size={self.group_size}: must be >= 1 (GRPO needs >= 2)"),
+            (self.batch_size >= 1, f"rollout.batch_size={self.batch_size}: must be >= 1"),
+            (self.max_inflight >= 1, f"rollout.max_inflight={self.max_inflight}: must be >= 1"),
+            (self.oversample >= 1.0, f"rollout.oversample={self.oversample}: must be >= 1.0 (1.0 = no oversampling)"),
+            (self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness}: must be >= 0"),
+            (self.stale_policy in STALE_POLICIES, f"rollout.stale_policy={self.stale_policy!r}: use one of {STALE_POLICIES}"),
+            (self.update_policy in UPDATE_POLICIES,
+             f"rollout.update_policy={self.update_policy!r}: use one of {UPDATE_POLICIES}"),
+            (0.0 <= self.abort_fraction <= 1.0, f"rollout.abort_fraction={self.abort_fraction}: must be in [0, 1]"),
+            (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1"),
+            (self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0"),
+            (0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        return self
+
+    @property
+    def groups_in_progress(self) -> int:
+        return max(self.batch_size, round(self.batch_size * self.oversample))
+
+    def sampling_params(self) -> dict:
+        p = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k}
+        if self.stop:
+            p["stop"] = list(self.stop)
+        if self.ignore_eos:
+            p["ignore_eos"] = True
+        return p

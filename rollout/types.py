@@ -1,0 +1,151 @@
+"""Rollout data: a Sample per trajectory, a Group of n per prompt, a padded training Batch."""
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"        # not started
+    RUNNING = "running"        # a request is in flight
+    PARTIAL = "partial"        # aborted mid-response; keeps its tokens and resumes later
+    COMPLETED = "completed"    # the model stopped (EOS / stop string)
+    TRUNCATED = "truncated"    # hit max_new_tokens or the context
+    ABORTED = "aborted"        # given up (stale, or the run stopped); not trained on
+    FAILED = "failed"          # an error (reward function raised, server refused): see `error`
+
+    @property
+    def finished(self) -> bool:
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.ABORTED, SampleStatus.FAILED)
+
+    @property
+    def trainable(self) -> bool:
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+@dataclass(eq=False)
+class Sample:
+    group_id: str
+    index: int                                  # position in its group
+    prompt_ids: list[int]
+    prompt: str = ""
+    label: Any = None                           # the reference answer, for rewards
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)       # behaviour logprobs, one per response token
+    versions: list[int] = field(default_factory=list)         # weight version per response token (-1: not generated)
+    loss_mask: list[int] = field(default_factory=list)        # 1: the model generated it; 0: tool/environment
+    response_text: str = ""
+    reward: float | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    error: str | None = None
+    metadata: dict = field(default_factory=dict)
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    num_aborts: int = 0                         # times a request for it was aborted and resumed
+    num_retries: int = 0                        # times a failed request was moved to another server
+
+    # ---- appending ------------------------------------------------------------------------------
+    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        if not (len(ids) == len(logprobs) == len(versions)):
+            raise ValueError(f"sample {self.uid}: {len(ids)} tokens, {len(logprobs)} logprobs, "
+                             f"{len(versions)} versions")
+        self.response_ids += ids
+        self.logprobs += logprobs
+        self.versions += versions
+        self.loss_mask += [1] * len(ids)
+
+    def append_environment(self, ids: list[int]) -> None:
+        """Tokens the model did not generate (tool output, user turns): kept in context, not trained on."""
+        self.response_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.loss_mask += [0] * len(ids)
+
+    # ---- derived ---------------------------------------------------------------------------------
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def min_version(self) -> int | None:
+        gen = [v for v in self.versions if v >= 0]
+        return min(gen) if gen else None
+
+    def staleness(self, trainer_version: int) -> int:
+        """How many versions behind the trainer its oldest token is (0 for a sample with no tokens)."""
+        v = self.min_version
+        return 0 if v is None else trainer_version - v
+
+    def reset(self) -> None:
+        """Drop the response (to regenerate it from the prompt)."""
+        self.response_ids, self.logprobs, self.versions, self.loss_mask = [], [], [], []
+        self.response_text, self.reward, self.error = "", None, None
+        self.status = SampleStatus.PENDING
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["status"] = self.status.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Sample":
+        return cls(**{**d, "status": SampleStatus(d["status"])})
+
+
+@dataclass(eq=False)
+class Group:
+    """The n samples of one prompt (GRPO's group)."""
+    group_id: str
+    samples: list[Sample]
+    data_index: int = -1                        # where its prompt came from in the data source
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.samples)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    def staleness(self, trainer_version: int) -> int:
+        return max(s.staleness(trainer_version) for s in self.samples)
+
+
+@dataclass
+class Batch:
+    """Groups as padded tensors, right-padded, prompt then response. Shapes: [batch, seq_len]."""
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor           # 1 on response tokens the model generated
+    old_logprobs: torch.Tensor        # behaviour logprob of each token given what precedes it (0 elsewhere)
+    versions: torch.Tensor            # weight version per token (-1 on prompt and environment tokens)
+    rewards: torch.Tensor             # [batch]
+    group_index: torch.Tensor         # [batch]: which group a row belongs to
+    samples: list[Sample]
+
+    @classmethod
+    def from_groups(cls, groups: list[Group], pad_id: int) -> "Batch":
+        samples = [s for g in groups for s in g.samples]
+        length = max(len(s.input_ids) for s in samples)
+        shape = (len(samples), length)
+        input_ids = torch.full(shape, pad_id, dtype=torch.long)
+        attention, loss_mask = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.float32)
+        logprobs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
+        for row, s in enumerate(samples):
+            p, n = len(s.prompt_ids), len(s.input_ids)
+            input_ids[row, :n] = torch.tensor(s.input_ids)
+            attention[row, :n] = 1
+            if s.response_ids:
+                loss_mask[row, p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
+                logprobs[row, p:n] = torch.tensor(s.logprobs)
+                versions[row, p:n] = torch.tensor(s.versions)
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.samples])
+        return cls(input_ids, attention, loss_mask, logprobs, versions, rewards, group_index, samples)
