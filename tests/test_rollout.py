@@ -1,0 +1,288 @@
+"""The rollout manager on real servers on loopback with a tiny model."""
+import asyncio
+import json
+import os
+import signal
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout.client import ServerClient
+from rollout.config import RolloutConfig
+from rollout.data import PromptSource
+from rollout.filters import keep_all
+from rollout.manager import RolloutManager
+from rollout.rewards import format_check, math_answer
+from rollout.router import Router
+from rollout.types import Batch, Sample, SampleStatus
+from tests.conftest import start_server
+
+PROMPTS = [{"prompt": f"{i} + {i} =", "answer": 2 * i} for i in range(200)]
+
+
+async def first_token_parity(sample):
+    """Varies within a group, so groups pass the all-equal filter."""
+    return float(sample.response_ids[0] % 2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    started = []
+
+    def make(n=1):
+        while len(started) < n:
+            started.append(start_server(tiny_model, tmp_path_factory))
+        return started[:n]
+    yield make
+    for s in started:
+        s.stop()
+
+
+def manager(urls, tokenizer, reward=first_token_parity, data=None, **cfg):
+    cfg = RolloutConfig(**{"group_size": 4, "batch_size": 2, "max_new_tokens": 16, "ignore_eos": True, **cfg})
+    router = Router([ServerClient(u, timeout_s=120) for u in urls])
+    return RolloutManager(cfg, router, data or PromptSource(PROMPTS, seed=0), tokenizer, reward)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=240))
+
+
+def test_groups_of_n_make_a_padded_batch(servers, tokenizer):
+    async def main():
+        m = manager([servers()[0].url], tokenizer)
+        await m.start()
+        groups, metrics = await m.next_batch()
+        await m.stop()
+        return groups, metrics
+    groups, metrics = run(main())
+    assert len(groups) == 2 and all(len(g.samples) == 4 for g in groups)
+    for g in groups:
+        assert len({tuple(s.prompt_ids) for s in g.samples}) == 1
+        for s in g.samples:
+            assert s.status is SampleStatus.TRUNCATED and len(s.response_ids) == 16
+            assert len(s.logprobs) == len(s.versions) == len(s.loss_mask) == 16
+    batch = Batch.from_groups(groups, tokenizer.pad_token_id)
+    assert batch.input_ids.shape[0] == 8 and int(batch.loss_mask.sum()) == 8 * 16
+    assert batch.group_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert (batch.old_logprobs[batch.loss_mask == 0] == 0).all() and (batch.old_logprobs[batch.loss_mask == 1] < 0).all()
+    assert metrics["samples_per_s"] > 0 and metrics["max_staleness"] == 0
+
+
+def test_oversampling_fills_a_batch_while_slow_groups_keep_running(servers, tokenizer):
+    slow = {i for i in range(200) if i % 2 == 0}
+
+    async def slow_or_fast(sample, ctx):
+        n = 400 if sample.metadata["item"] in slow else 4
+        await ctx.generate(sample, max_new_tokens=n)
+        return sample
+
+    async def main():
+        m = manager([servers()[0].url], tokenizer, data=PromptSource(PROMPTS, shuffle=False),
+                    batch_size=2, oversample=3.0, max_staleness=4)
+        m.rollout_fn = slow_or_fast
+        await m.start()
+        groups, _ = await m.next_batch()
+        still_running = [g.data_index for g in m.running.values()]
+        await m.stop()
+        return groups, still_running
+    groups, still_running = run(main())
+    assert all(g.data_index % 2 == 1 for g in groups), "the fast groups fill the batch"
+    assert any(i % 2 == 0 for i in still_running), "the slow groups are still generating"
+
+
+def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokenizer, tiny_model_v2):
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync.sender import WeightSync
+    url = servers()[0].url
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_v2)
+    version = int(__import__("httpx").get(f"{url}/get_weight_version").json()["weight_version"]) + 1
+
+    async def main():
+        m = manager([url], tokenizer, max_new_tokens=1000, update_policy="abort_all", max_staleness=2,
+                    batch_size=2, oversample=1.0)
+        await m.start()
+        while len(m.inflight) < 8:
+            await asyncio.sleep(0.01)
+        sync = WeightSync([url], bucket_bytes=1 << 20)
+        await asyncio.to_thread(sync.push, new, version)
+        sync.close()
+        await m.on_weights_updated(version)
+        groups, metrics = await m.next_batch()
+        await m.stop()
+        return groups, metrics
+    groups, metrics = run(main())
+    samples = [s for g in groups for s in g.samples]
+    resumed = [s for s in samples if s.num_aborts > 0]
+    assert resumed and metrics["tokens_aborted"] > 0 and metrics["tokens_resumed"] > 0
+    for s in resumed:
+        assert set(s.versions) == {version - 1, version}
+        assert s.versions == sorted(s.versions)
+        assert len(s.logprobs) == len(s.response_ids) == len(s.versions) == 1000
+
+
+def test_staleness_bound_at_consumption(servers, tokenizer):
+    async def main():
+        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0)
+        await m.start()
+        while len(m.ready) < 2:
+            await asyncio.sleep(0.05)
+        await m.stop()
+        # the trainer moves on, but these samples were made by the weights before: too stale for bound 0
+        m.trainer_version = max(s.versions[-1] for g in m.ready for s in g.samples) + 1
+        with pytest.raises(RuntimeError, match="stopped"):
+            await m.next_batch()
+        return m
+    m = run(main())
+    assert not m.ready and m.metrics.drops["stale"] >= 2 and m.metrics.stale_dropped >= 8
+
+
+def test_staleness_bound_at_admission(servers, tokenizer):
+    async def main():
+        m = manager([servers()[0].url], tokenizer, max_staleness=1, batch_size=1)
+        partial = [Sample("g-old", i, [5, 6, 7], label=0, response_ids=[9, 9], logprobs=[-1.0, -1.0],
+                          versions=[0, 0], loss_mask=[1, 1], status=SampleStatus.PARTIAL) for i in range(4)]
+        state = {"trainer_version": 2, "consumed_groups": 2, "data": m.data.state_dict(), "metrics": {},
+                 "groups": [{"group_id": "g-old", "data_index": -1, "samples": [s.to_dict() for s in partial]}]}
+        m.load_state_dict(json.loads(json.dumps(state)))
+        await m.start()
+        groups, metrics = await m.next_batch()
+        await m.stop()
+        return groups, metrics
+    groups, metrics = run(main())
+    assert metrics["drops"].get("stale") == 1 and metrics["stale_dropped"] >= 1
+    assert all(g.group_id != "g-old" for g in groups)
+
+
+def test_multi_turn_function_with_a_toy_tool(servers, tokenizer):
+    tool_ids = tokenizer("<tool>42</tool>", add_special_tokens=False).input_ids
+
+    async def with_tool(sample, ctx):
+        await ctx.generate(sample, max_new_tokens=5)
+        sample.append_environment(tool_ids)           # the tool's answer: context, not trained on
+        await ctx.generate(sample, max_new_tokens=7)
+        return sample
+
+    async def main():
+        m = manager([servers()[0].url], tokenizer)
+        m.rollout_fn = with_tool
+        await m.start()
+        groups, _ = await m.next_batch()
+        await m.stop()
+        return groups
+    groups = run(main())
+    want = [1] * 5 + [0] * len(tool_ids) + [1] * 7
+    for s in (s for g in groups for s in g.samples):
+        assert s.loss_mask == want and s.response_ids[5:5 + len(tool_ids)] == tool_ids
+        assert s.versions[5:5 + len(tool_ids)] == [-1] * len(tool_ids)
+    batch = Batch.from_groups(groups, tokenizer.pad_token_id)
+    p = len(groups[0].samples[0].prompt_ids)
+    assert batch.loss_mask[0, p:p + len(want)].tolist() == want
+
+
+def test_killing_one_of_two_servers_loses_no_sample(tiny_model, tokenizer, tmp_path_factory):
+    a, b = start_server(tiny_model, tmp_path_factory), start_server(tiny_model, tmp_path_factory)
+    try:
+        async def main():
+            m = manager([a.url, b.url], tokenizer, max_new_tokens=300, batch_size=2, oversample=2.0,
+                        max_staleness=8)
+            await m.start()
+            while m.router.inflight[a.url] < 4:
+                await asyncio.sleep(0.05)
+            os.kill(a.proc.pid, signal.SIGKILL)
+            batches = [await m.next_batch() for _ in range(3)]
+            await m.stop()
+            return m, batches
+        m, batches = run(main())
+    finally:
+        a.stop()
+        b.stop()
+    samples = [s for groups, _ in batches for g in groups for s in g.samples]
+    assert len(samples) == 3 * 2 * 4 and len({s.uid for s in samples}) == len(samples)
+    assert all(s.status is SampleStatus.TRUNCATED and len(s.response_ids) == 300 for s in samples)
+    assert all(len(s.logprobs) == 300 for s in samples)
+    assert m.metrics.retries > 0 and any(s.num_retries for s in samples)
+    indices = [g.data_index for groups, _ in batches for g in groups]
+    assert len(indices) == len(set(indices))
+
+
+def test_save_restart_load_repeats_no_prompt(servers, tokenizer, tmp_path):
+    url = servers()[0].url
+
+    async def odd_prompts_run_long(sample, ctx):
+        budget = (600 if sample.metadata["item"] % 2 else 8) - sample.num_generated
+        await ctx.generate(sample, max_new_tokens=budget)
+        return sample
+
+    def make():
+        m = manager([url], tokenizer, max_new_tokens=600, oversample=3.0, max_staleness=4,
+                    data=PromptSource(PROMPTS, shuffle=False))
+        m.rollout_fn = odd_prompts_run_long
+        m.group_filter = keep_all          # every group reaches a batch: the test can account for all
+        return m
+
+    async def first_run():
+        m = make()
+        await m.start()
+        groups, _ = await m.next_batch()
+        await m.stop()
+        state = m.state_dict()
+        (tmp_path / "rollout.json").write_text(json.dumps(state))
+        return [g.data_index for g in groups], state
+
+    async def second_run():
+        m = make()
+        m.load_state_dict(json.loads((tmp_path / "rollout.json").read_text()))
+        await m.start()
+        batches = [await m.next_batch() for _ in range(3)]
+        await m.stop()
+        return [g.data_index for groups, _ in batches for g in groups], m.state_dict()
+
+    seen, state = run(first_run())
+    pending = [g["data_index"] for g in state["groups"]]
+    partial = [g for g in state["groups"] if any(s["status"] == "partial" for s in g["samples"])]
+    assert pending and partial, "stopping mid-run keeps unfinished groups with their partial tokens"
+    later, later_state = run(second_run())
+    everything = seen + later + [g["data_index"] for g in later_state["groups"]]
+    assert len(everything) == len(set(everything)), "no prompt repeated"
+    assert set(pending) <= set(everything), "no prompt lost"
+    cursor = state["data"]["cursor"]
+    assert all(i >= cursor for i in set(later) - set(pending)), "new prompts come after the saved position"
+
+
+def test_a_failing_reward_marks_the_sample_failed_and_the_run_goes_on(servers, tokenizer):
+    calls = {"n": 0}
+
+    async def flaky(sample):
+        calls["n"] += 1
+        if sample.metadata["item"] % 3 == 0:
+            raise ZeroDivisionError("the user's reward function broke")
+        return float(sample.response_ids[0] % 2)
+
+    async def main():
+        m = manager([servers()[0].url], tokenizer, reward=flaky, data=PromptSource(PROMPTS, shuffle=False))
+        await m.start()
+        groups, metrics = await m.next_batch()
+        await m.stop()
+        return groups, metrics
+    groups, metrics = run(main())
+    assert metrics["drops"]["failed"] >= 1
+    assert all(g.data_index % 3 != 0 for g in groups)
+
+
+def test_builtin_rewards_and_config_errors():
+    s = Sample("g", 0, [1], label="#### 1,234")
+    s.response_text = "so the total is 1234."
+    assert asyncio.run(math_answer(s)) == 1.0
+    s.response_text = "\\boxed{12}"
+    assert asyncio.run(math_answer(s)) == 0.0 and asyncio.run(format_check(s)) == 1.0
+    with pytest.raises(ValueError, match="rollout.oversample"):
+        RolloutConfig(oversample=0.5).validate()
+    with pytest.raises(ValueError, match="update_policy"):
+        RolloutConfig(update_policy="sometimes").validate()
