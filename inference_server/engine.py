@@ -94,6 +94,7 @@ class Engine:
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
+        self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -250,7 +251,7 @@ class Engine:
         def run():
             t0 = time.perf_counter()
             weights.swap_in(self.model, tensors)
-            self.version = version
+            self.version, self.has_weights = version, True
             self.stats.weight_updates += 1
             self.stats.last_swap_stall_s = time.perf_counter() - t0
             return self.stats.last_swap_stall_s
@@ -258,7 +259,7 @@ class Engine:
 
     def set_version(self, version: int) -> Future:
         def run():
-            self.version = version
+            self.version, self.has_weights = version, True
             self.stats.weight_updates += 1
         return self.submit(run)
 

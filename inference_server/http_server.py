@@ -297,7 +297,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     @app.middleware("http")
     async def _cold(request: Request, call_next):
-        if engine.version < 0 and not request.url.path.startswith(("/weight_sync/", "/get_", "/metrics")):
+        if not engine.has_weights and not request.url.path.startswith(("/weight_sync/", "/get_", "/metrics")):
             return JSONResponse({"error": f"no weights yet: waiting for {weights_from_peer} to push them"},
                                 status_code=503)
         return await call_next(request)
@@ -439,7 +439,7 @@ def add_weight_sync_routes(app: FastAPI, engine: Engine, receiver, api_key: str 
         """Push the weights being served to another server (its cold start): no disk involved."""
         from weight_sync import weights_of
         from weight_sync.sender import WeightSync
-        if engine.version < 0:
+        if not engine.has_weights:
             raise BadRequest("this server has no weights yet to push")
 
         def push():

@@ -12,6 +12,16 @@ from pathlib import Path
 import httpx
 
 
+def _die_with_parent() -> None:
+    """Runs in the child before exec: Linux sends it SIGTERM when the launching process dies, so a
+    killed launcher (even SIGKILL) leaves no server behind."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -40,7 +50,8 @@ class ServerProcess:
                "--host", self.host, "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(self.env or {})}, start_new_session=True)
+                                     env={**os.environ, **(self.env or {})}, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.wait_ready(timeout)
         return self
 

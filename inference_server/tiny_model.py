@@ -57,15 +57,43 @@ def build_tokenizer(vocab_size: int):
     return fast
 
 
+CHARS = "0123456789 =+-*:;,.?!>()[]abcdefghijklmnopqrstuvwxyz"
+
+
+def build_char_tokenizer():
+    """One token per character of CHARS: small vocabularies make RL from scratch feasible on a CPU."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + list(CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        unk_token="<|endoftext|>", additional_special_tokens=SPECIAL_TOKENS[5:],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def build_tiny_model(out_dir: str | Path, hidden: int = 384, layers: int = 4, heads: int = 6,
                      kv_heads: int = 2, intermediate: int | None = None, vocab: int = 8000,
-                     max_positions: int = 2048, seed: int = 0, arch: str = "qwen2") -> Path:
-    """Write a random-initialised Llama or Qwen2 model and its tokenizer to `out_dir`."""
+                     max_positions: int = 2048, seed: int = 0, arch: str = "qwen2",
+                     tokenizer: str = "bpe") -> Path:
+    """Write a random-initialised Llama or Qwen2 model and its tokenizer to `out_dir`.
+
+    `tokenizer`: "bpe" (trained locally to `vocab` tokens) or "chars" (one token per character; the
+    vocabulary is then the character set's size and `vocab` is ignored).
+    """
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(vocab)
+    if tokenizer not in ("bpe", "chars"):
+        raise ValueError(f"tokenizer={tokenizer!r}: expected 'bpe' or 'chars'")
+    tokenizer = build_tokenizer(vocab) if tokenizer == "bpe" else build_char_tokenizer()
+    vocab = len(tokenizer)
     common = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate or hidden * 8 // 3,
@@ -98,9 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-positions", type=int, default=2048)
     p.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default="bpe", choices=["bpe", "chars"])
     a = p.parse_args(argv)
     out = build_tiny_model(a.out_dir, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate,
-                           a.vocab, a.max_positions, a.seed, a.arch)
+                           a.vocab, a.max_positions, a.seed, a.arch, a.tokenizer)
     print(out)
 
 

@@ -69,7 +69,7 @@ class Receiver:
     def open(self, req: OpenRequest) -> OpenReply:
         with self._lock:
             current = self.engine.version
-            if req.version <= current and not self.torn:
+            if req.version <= current and not self.torn and self.engine.has_weights:
                 raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the served {current}")
             staged = self._update
             # The same version again is a retry (its first sender died); an older one is fenced off.

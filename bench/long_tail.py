@@ -1,0 +1,396 @@
+"""Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
+
+    python bench/long_tail.py [--steps 10] [--oversample 2.0] [--max-staleness 2] [--quick]
+
+One real server (`python -m inference_server`, --max-running-requests 64 --context-length 1200) with a
+tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000; built into a temp dir if absent).
+
+Workload: prompts "item N: ..." (a few tokens); every sample of every item has its own response length,
+`max_new_tokens` ~ LogNormal(ln(--median-tokens), --sigma) clipped to [16, 1024], ignore_eos, drawn
+deterministically from (seed, item, sample index) and stored in the item's metadata, so both modes see
+the same lengths for the same items. Reward 0 for everyone, group filter `none` (rollout.filters.keep_all).
+
+Trainer stand-in: `asyncio.sleep(a + b * tokens)` for a batch of `tokens` generated tokens, then a real
+weight push (`WeightSync([server]).push(model, version)`, the trainer's copy loaded with from_pretrained,
+one element of every tensor nudged per step) of version = previous + 1, numbered on across both modes.
+a and b are calibrated on an untimed warm-up sync batch (other items): a = b * tokens_warmup =
+--train-frac * t_ref / 2, so a train step on a batch the size of the warm-up one lasts
+--train-frac * t_ref, where t_ref is the median sample's completion time in that batch
+(--train-ref median_sample, default) or the whole batch's generation time (--train-ref batch).
+--train-a/--train-b set them by hand instead.
+
+ (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
+     Router/ServerClient (same client as the manager), wait for all, train, push, repeat.
+ (b) async: RolloutManager (oversample, max_staleness, update_policy, abort_fraction), trainer_version =
+     the server's version at its start; per step next_batch -> train -> push -> on_weights_updated, while
+     the manager keeps generating.
+
+Metrics: samples/s = trained samples / wall (first request to last push); busy ratio = delta of the
+server's stats.busy_seconds / wall; max staleness of any trained sample at consumption
+(`s.staleness(trainer_version)`); samples lost = started, neither trained nor pending after stop();
+tokens wasted fraction = manager tokens_wasted / tokens_generated.
+
+Logs go to stderr; the result is one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+MODEL = dict(hidden=256, layers=4, heads=4, kv_heads=2, vocab=4000, max_positions=2048, seed=0)
+MIN_TOKENS, MAX_TOKENS = 16, 1024
+
+
+def log(msg: str) -> None:
+    print(f"[long_tail {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def model_dir() -> Path:
+    tag = "_".join(f"{k}{v}" for k, v in MODEL.items())
+    path = Path(tempfile.gettempdir()) / f"riptide_bench_long_tail_{tag}"
+    if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
+        from inference_server.tiny_model import build_tiny_model
+        log(f"building the tiny model into {path}")
+        build_tiny_model(path, **MODEL)
+    return path
+
+
+# ---- workload ---------------------------------------------------------------------------------
+def draw_length(seed: int, item: int, index: int, median: float, sigma: float) -> int:
+    x = random.Random(f"long_tail-{seed}-{item}-{index}").lognormvariate(math.log(median), sigma)
+    return int(min(MAX_TOKENS, max(MIN_TOKENS, round(x))))
+
+
+def make_items(n: int, group_size: int, seed: int, median: float, sigma: float, offset: int = 0) -> list[dict]:
+    words = "the sum of digits in reverse order is a number we can write down".split()
+    items = []
+    for i in range(offset, offset + n):
+        prompt = f"item {i}: " + " ".join(words[(i * k) % len(words)] for k in range(1, 6))
+        items.append({"prompt": prompt, "answer": 0,
+                      "lengths": [draw_length(seed, i, j, median, sigma) for j in range(group_size)]})
+    return items
+
+
+async def long_tail_rollout(sample, ctx):
+    """Generates exactly the sample's drawn length (ignore_eos); resumes within that budget."""
+    left = sample.metadata["lengths"][sample.index] - sample.num_generated
+    if left > 0:
+        await ctx.generate(sample, max_new_tokens=left)
+    else:
+        from rollout.types import SampleStatus
+        sample.status = SampleStatus.TRUNCATED
+    return sample
+
+
+async def zero_reward(sample) -> float:
+    return 0.0
+
+
+# ---- trainer side -----------------------------------------------------------------------------
+class Trainer:
+    """Sleeps like a train step, then pushes real weights; the version numbering runs across modes."""
+
+    def __init__(self, path: Path, url: str, version: int, a: float, b: float, bucket_bytes: int):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from weight_sync.sender import WeightSync
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.sync = WeightSync([url], bucket_bytes=bucket_bytes)
+        self.version, self.a, self.b = version, a, b
+        self.train_s = self.push_s = 0.0
+        self.push_times: list[float] = []
+
+    async def step(self, tokens: int) -> int:
+        t = time.monotonic()
+        await asyncio.sleep(self.a + self.b * tokens)
+        self.train_s += time.monotonic() - t
+        t = time.monotonic()
+        with self.torch.no_grad():
+            for p in self.model.parameters():
+                p.view(-1)[0] += 1e-3
+        self.version += 1
+        await asyncio.to_thread(self.sync.push, self.model, self.version)
+        dt = time.monotonic() - t
+        self.push_s += dt
+        self.push_times.append(dt)
+        return self.version
+
+    def reset_counters(self) -> None:
+        self.train_s = self.push_s = 0.0
+        self.push_times = []
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+async def server_stats(client) -> dict:
+    info = await client.get("/get_server_info")
+    return {**info["stats"], "weight_version": int(info["weight_version"])}
+
+
+# ---- (a) synchronous ----------------------------------------------------------------------------
+async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None):
+    """One batch: every sample requested at once; returns samples, per-sample completion times, tokens."""
+    from rollout.types import Sample, SampleStatus
+    client = router.pick()
+    t0 = time.monotonic() if t_start is None else t_start
+    samples = []
+    for _ in range(cfg.batch_size):
+        item = data.next()
+        ids = tokenizer(item.prompt, add_special_tokens=False).input_ids
+        samples += [Sample(f"s{item.index}", j, list(ids), item.prompt, 0, metadata=dict(item.metadata))
+                    for j in range(cfg.group_size)]
+    done: list[float] = []
+
+    async def one(s):
+        params = {**cfg.sampling_params(), "max_new_tokens": s.metadata["lengths"][s.index]}
+        with router.track(client):
+            gen = await client.generate(s.input_ids, params, f"sync-{s.uid}")
+        s.append_generated(gen.output_ids, gen.logprobs, gen.versions)
+        s.status = SampleStatus.TRUNCATED if gen.finish_type == "length" else SampleStatus.COMPLETED
+        done.append(time.monotonic() - t0)
+    await asyncio.gather(*(one(s) for s in samples))
+    return samples, done, sum(s.num_generated for s in samples)
+
+
+async def run_sync(url, tokenizer, items, cfg, trainer, steps):
+    from rollout.client import ServerClient
+    from rollout.data import PromptSource
+    from rollout.router import Router
+    router = Router([ServerClient(url, timeout_s=600)])
+    data = PromptSource(items, seed=0, shuffle=False)
+    client = router.clients[0]
+    trainer.reset_counters()
+    s0 = await server_stats(client)
+    t0 = time.monotonic()
+    trained, max_stale, tokens, gen_s, per_step = 0, 0, 0, 0.0, []
+    try:
+        for step in range(steps):
+            tb = time.monotonic()
+            samples, done, tok = await sync_batch(router, data, tokenizer, cfg)
+            g = time.monotonic() - tb
+            gen_s += g
+            max_stale = max(max_stale, max(s.staleness(trainer.version) for s in samples))
+            trained += len(samples)
+            tokens += tok
+            await trainer.step(tok)
+            per_step.append({"gen_s": round(g, 2), "median_done_s": round(statistics.median(done), 2),
+                             "tokens": tok, "max_len": max(len(s.response_ids) for s in samples)})
+            log(f"sync step {step}: gen {g:.2f}s (median sample done {statistics.median(done):.2f}s), "
+                f"{tok} tokens, longest {per_step[-1]['max_len']}, trainer at v{trainer.version}")
+        wall = time.monotonic() - t0
+        s1 = await server_stats(client)
+    finally:
+        await router.close()
+    return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
+            "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "gen_s": gen_s, "train_s": trainer.train_s,
+            "push_s": trainer.push_s, "per_step": per_step,
+            "mean_len": tokens / trained, "server_version_end": s1["weight_version"]}
+
+
+# ---- (b) asynchronous ---------------------------------------------------------------------------
+async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: bool):
+    from rollout.client import ServerClient
+    from rollout.data import PromptSource
+    from rollout.filters import keep_all
+    from rollout.manager import RolloutManager
+    from rollout.router import Router
+
+    started: set[str] = set()
+
+    async def tracked(sample, ctx):
+        started.add(sample.uid)
+        return await long_tail_rollout(sample, ctx)
+
+    router = Router([ServerClient(url, timeout_s=600)])
+    m = RolloutManager(cfg, router, PromptSource(items, seed=0, shuffle=False), tokenizer, zero_reward,
+                       rollout_fn=tracked, group_filter=keep_all)
+    client = router.clients[0]
+    s0 = await server_stats(client)
+    m.trainer_version = s0["weight_version"]
+    if align_capacity:
+        # The manager's start bound (_may_start) counts versions from 0; keep it meaningful when the
+        # trainer starts at version v0 > 0 (see the report: capacity uses absolute trainer_version).
+        m.consumed_groups = m.trainer_version * cfg.batch_size
+    consumed0 = m.consumed_groups
+    trainer.version = m.trainer_version
+    trainer.reset_counters()
+    trained_uids: set[str] = set()
+    trained, max_stale, tokens, wait_s, hist = 0, 0, 0, 0.0, {}
+    inflight_samples, last_metrics = [], {}
+    t0 = time.monotonic()
+    await m.start()
+    try:
+        for step in range(steps):
+            groups, metrics = await m.next_batch()
+            last_metrics = metrics
+            wait_s += metrics["wait_s"]
+            samples = [s for g in groups for s in g.samples]
+            st = [s.staleness(m.trainer_version) for s in samples]
+            for v in st:
+                hist[v] = hist.get(v, 0) + 1
+            max_stale = max(max_stale, max(st))
+            trained += len(samples)
+            trained_uids.update(s.uid for s in samples)
+            tok = sum(s.num_generated for s in samples)
+            tokens += tok
+            inflight_samples.append(metrics["inflight"])
+            version = await trainer.step(tok)
+            await m.on_weights_updated(version)
+            log(f"async step {step}: waited {metrics['wait_s']:.2f}s, {tok} tokens, staleness {sorted(set(st))}, "
+                f"inflight {metrics['inflight']}, running {metrics['groups_running']}, ready {metrics['groups_ready']}, "
+                f"drops {metrics['drops']}, trainer at v{version}")
+        wall = time.monotonic() - t0
+        s1 = await server_stats(client)
+    finally:
+        await m.stop()
+        await router.close()
+    pending = {s.uid for g in [*m.ready, *m.resume, *m.running.values()] for s in g.samples}
+    lost = started - trained_uids - pending
+    mt = m.metrics
+    return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
+            "staleness_hist": dict(sorted(hist.items())),
+            "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "trainer_wait_s": wait_s,
+            "train_s": trainer.train_s, "push_s": trainer.push_s, "samples_lost": len(lost),
+            "samples_started": len(started), "samples_pending": len(pending & started),
+            "tokens_generated": mt.tokens_generated, "tokens_wasted": mt.tokens_wasted,
+            "tokens_aborted": mt.tokens_aborted, "tokens_resumed": mt.tokens_resumed,
+            "drops": dict(mt.drops), "stale_dropped": mt.stale_dropped,
+            "mean_len": tokens / max(trained, 1), "consumed_groups": m.consumed_groups - consumed0,
+            "mean_inflight_at_batch": statistics.mean(inflight_samples) if inflight_samples else 0,
+            "server_version_end": s1["weight_version"], "drops_last": last_metrics.get("drops", {})}
+
+
+# ---- main ---------------------------------------------------------------------------------------
+async def bench(args, url, path) -> dict:
+    from transformers import AutoTokenizer
+
+    from rollout.client import ServerClient
+    from rollout.config import RolloutConfig
+    from rollout.data import PromptSource
+    from rollout.router import Router
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    common = dict(group_size=args.group_size, batch_size=args.batch_size, max_inflight=args.max_running,
+                  max_new_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, seed=args.seed)
+    sync_cfg = RolloutConfig(**common, oversample=1.0, max_staleness=0, update_policy="continue").validate()
+    async_cfg = RolloutConfig(**common, oversample=args.oversample, max_staleness=args.max_staleness,
+                              update_policy=args.update_policy, abort_fraction=args.abort_fraction,
+                              stale_policy=args.stale_policy).validate()
+    n_items = (args.steps * 4 + 8) * args.batch_size
+    items = make_items(n_items, args.group_size, args.seed, args.median_tokens, args.sigma)
+    lens = [n for it in items for n in it["lengths"]]
+    log(f"lengths over {len(lens)} samples: median {statistics.median(lens)}, mean {statistics.mean(lens):.0f}, "
+        f"p90 {sorted(lens)[int(0.9 * len(lens))]}, max {max(lens)}, at cap {sum(n == MAX_TOKENS for n in lens)}")
+
+    # warm-up + calibration: one untimed sync batch of other items
+    router = Router([ServerClient(url, timeout_s=600)])
+    warm_items = make_items(args.batch_size, args.group_size, args.seed, args.median_tokens, args.sigma,
+                            offset=10_000_000)
+    samples, done, warm_tokens = await sync_batch(router, PromptSource(warm_items, shuffle=False),
+                                                  tokenizer, sync_cfg)
+    batch_s, median_s = max(done), statistics.median(done)
+    v0 = (await server_stats(router.clients[0]))["weight_version"]
+    await router.close()
+    ref = median_s if args.train_ref == "median_sample" else batch_s
+    if args.train_a is None or args.train_b is None:
+        a = args.train_frac * ref / 2
+        b = a / max(warm_tokens, 1)
+    else:
+        a, b = args.train_a, args.train_b
+    log(f"warm-up sync batch: {batch_s:.2f}s, median sample done at {median_s:.2f}s, {warm_tokens} tokens; "
+        f"train step = {a:.3f} + {b:.2e} * tokens s; server at version {v0}")
+
+    trainer = Trainer(path, url, v0, a, b, args.bucket_bytes)
+    try:
+        await trainer.step(0)            # untimed: allocates the push buffers (first push is slower)
+        sync = await run_sync(url, tokenizer, items, sync_cfg, trainer, args.steps)
+        asyn = await run_async(url, tokenizer, items, async_cfg, trainer, args.steps, args.align_capacity)
+    finally:
+        trainer.close()
+    sync_sps, async_sps = sync["samples"] / sync["wall_s"], asyn["samples"] / asyn["wall_s"]
+    push_med = statistics.median(trainer.push_times) if trainer.push_times else 0.0
+    return {
+        "sync_samples_per_s": round(sync_sps, 3),
+        "async_samples_per_s": round(async_sps, 3),
+        "speedup": round(async_sps / sync_sps, 3),
+        "sync_busy_ratio": round(sync["busy_s"] / sync["wall_s"], 3),
+        "async_busy_ratio": round(asyn["busy_s"] / asyn["wall_s"], 3),
+        "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
+        "staleness_bound": async_cfg.max_staleness,
+        "samples_lost": asyn["samples_lost"],
+        "tokens_wasted_fraction": round(asyn["tokens_wasted"] / max(asyn["tokens_generated"], 1), 4),
+        # extras
+        "sync_tokens_per_s": round(sync["tokens"] / sync["wall_s"], 1),
+        "async_tokens_per_s": round(asyn["tokens"] / asyn["wall_s"], 1),
+        "token_speedup": round((asyn["tokens"] / asyn["wall_s"]) / (sync["tokens"] / sync["wall_s"]), 3),
+        "sync_mean_len": round(sync["mean_len"], 1), "async_mean_len": round(asyn["mean_len"], 1),
+        "speedup_bound_trainer": round((sync["wall_s"] / args.steps) / ((asyn["train_s"] + asyn["push_s"]) / args.steps), 3),
+        "sync_wall_s": round(sync["wall_s"], 1), "async_wall_s": round(asyn["wall_s"], 1),
+        "sync_gen_s": round(sync["gen_s"], 1), "sync_train_s": round(sync["train_s"], 1),
+        "sync_push_s": round(sync["push_s"], 1), "async_train_s": round(asyn["train_s"], 1),
+        "async_push_s": round(asyn["push_s"], 1), "async_trainer_wait_s": round(asyn["trainer_wait_s"], 1),
+        "push_median_s": round(push_med, 3),
+        "staleness_hist": asyn["staleness_hist"], "drops": asyn["drops"], "stale_dropped": asyn["stale_dropped"],
+        "samples_started": asyn["samples_started"], "samples_pending": asyn["samples_pending"],
+        "tokens_aborted": asyn["tokens_aborted"], "tokens_resumed": asyn["tokens_resumed"],
+        "mean_inflight_at_batch": round(asyn["mean_inflight_at_batch"], 1),
+        "server_version_start": v0, "server_version_end": asyn["server_version_end"],
+        "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),
+        "warmup_batch_s": round(batch_s, 2), "warmup_median_sample_s": round(median_s, 2),
+        "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
+        "oversample": args.oversample, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
+        "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="groups per training batch")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--max-running", type=int, default=64, help="server --max-running-requests and max_inflight")
+    p.add_argument("--median-tokens", type=float, default=64.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--oversample", type=float, default=2.0)
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
+    p.add_argument("--abort-fraction", type=float, default=0.5)
+    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])
+    p.add_argument("--train-ref", default="median_sample", choices=["median_sample", "batch"])
+    p.add_argument("--train-frac", type=float, default=1.0)
+    p.add_argument("--train-a", type=float, default=None)
+    p.add_argument("--train-b", type=float, default=None)
+    p.add_argument("--bucket-bytes", type=int, default=8 << 20)
+    p.add_argument("--no-align-capacity", dest="align_capacity", action="store_false")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 steps, batch 8")
+    p.add_argument("--server-log", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch_size = 4, 8
+
+    from inference_server.process import ServerProcess
+    path = model_dir()
+    server_args = ["--max-running-requests", str(args.max_running), "--context-length", "1200"]
+    t = time.monotonic()
+    with ServerProcess(path, args=server_args, log_path=args.server_log) as srv:
+        log(f"server up at {srv.url} in {time.monotonic() - t:.1f}s")
+        result = asyncio.run(bench(args, srv.url, path))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

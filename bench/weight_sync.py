@@ -1,0 +1,360 @@
+"""Weight sync of a ~1 GB model: Riptide's push against a raw Mooncake write and a disk reload.
+
+    python bench/weight_sync.py [--pushes 4] [--buckets 64,128,256] [--quick]
+
+Model: a random Qwen2 (hidden 1024, 17 layers, 16/4 heads, intermediate 2730, vocab 32000, untied,
+float32) = 1.011 GB of parameters, built once into .cache/bench-1gb. The trainer side is the same
+checkpoint loaded with `from_pretrained`; before every update one element of every tensor is nudged,
+so every version really differs (checked at the end: the servers' weight digests equal the trainer's).
+
+ (a) riptide_gbps: `WeightSync([server]).push(model, v)` to one server (shadow mode, idle), bytes /
+     PushStats.seconds (open + stream + prepare + commit, end to end). One untimed warm-up push per
+     bucket size (it allocates the staging slots and the shadow set), then `--pushes` timed pushes;
+     the bucket size with the best median is chosen and its median reported. (Two warm-ups on the
+     first size: the server's start-up weights are a private mmap of the checkpoint, and the second
+     push writes into them, paying copy-on-write faults once.)
+ (b) raw_mooncake_gbps: Mooncake `transfer_sync_write` of the same bytes between two fresh processes,
+     no Riptide code, receiver buffer warm (bench/raw_mooncake.py `raw_mooncake_runs`): the better
+     median of one write and of sequential bucket-sized writes; each median is reported as well.
+ (c) disk_reload_gbps: `model.save_pretrained(tmp)` + `POST /update_weights_from_disk`, bytes /
+     (save + reload + first-decode fault-in) seconds, median. The reload maps the file lazily, so its
+     bytes are read during the first decode step after the swap; that step's extra time over a warm
+     one-token generate is counted. The fresh file is read back from the page cache (no fsync).
+ stall: 2 streaming clients keep generating (ignore_eos) while the server takes a push;
+     stall_fraction = sum of server-reported stall seconds / push seconds (worst of the pushes).
+     Extras: client inter-token gaps (max / median) in a window before the push and during it.
+ two_receivers_over_one: median seconds of a push to two servers / of a push to one, interleaved.
+
+Logs go to stderr; the result is one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# The repo root must come first: this file is itself named weight_sync.py and would shadow the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT))
+from raw_mooncake import raw_mooncake_runs  # noqa: E402
+
+MODEL = dict(hidden=1024, layers=17, heads=16, kv_heads=4, intermediate=2730, vocab=32000, max_positions=2048,
+             seed=0, arch="qwen2")
+SERVER_ARGS = ["--context-length", "1024", "--max-running-requests", "4", "--weight-sync-mode", "shadow"]
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[weight_sync {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def model_dir(path: Path) -> Path:
+    stamp = path / "bench_model.json"
+    if not (stamp.exists() and json.loads(stamp.read_text()) == MODEL and any(path.glob("*.safetensors"))):
+        from inference_server.tiny_model import build_tiny_model
+        log(f"building the ~1 GB model into {path}")
+        shutil.rmtree(path, ignore_errors=True)
+        build_tiny_model(path, **MODEL)
+        stamp.write_text(json.dumps(MODEL))
+    return path
+
+
+def perturb(params: dict[str, torch.Tensor], step: int) -> None:
+    """Change one element of every tensor: each version differs everywhere, at no real cost."""
+    with torch.no_grad():
+        for p in params.values():
+            flat = p.view(-1)
+            flat[(step * 7919) % flat.numel()] += 1e-3
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+# ---- streaming client -------------------------------------------------------------------------
+class StreamClient:
+    """Threads that keep one streaming /generate each in flight and record every event's arrival."""
+
+    def __init__(self, url: str, streams: int, vocab: int, max_new_tokens: int = 256):
+        self.url, self.vocab, self.max_new = url, vocab, max_new_tokens
+        self.stop_evt = threading.Event()
+        self.events: list[list[tuple[float, int, str]]] = []   # per request: (t, completion_tokens, version)
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(streams)]
+
+    def __enter__(self):
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_evt.set()
+        for t in self._threads:
+            t.join(30)
+
+    def _run(self, seed: int) -> None:
+        import httpx
+        rng = random.Random(seed)
+        with httpx.Client(base_url=self.url, timeout=httpx.Timeout(120)) as http:
+            while not self.stop_evt.is_set():
+                rec: list[tuple[float, int, str]] = []
+                with self._lock:
+                    self.events.append(rec)
+                body = {"input_ids": [rng.randrange(10, self.vocab) for _ in range(32)], "stream": True,
+                        "sampling_params": {"max_new_tokens": self.max_new, "temperature": 1.0, "ignore_eos": True}}
+                try:
+                    with http.stream("POST", "/generate", json=body) as r:
+                        for line in r.iter_lines():
+                            if self.stop_evt.is_set():
+                                break
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            meta = json.loads(line[6:])["meta_info"]
+                            rec.append((time.perf_counter(), meta["completion_tokens"], meta["weight_version"]))
+                except Exception as e:  # noqa: BLE001 - reported, not fatal to the bench
+                    self.errors.append(f"{type(e).__name__}: {e}")
+                    time.sleep(0.2)
+
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.events)
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Inter-token gaps (decode steps, first token excluded) that overlap [start, end]."""
+        out = []
+        for rec in list(self.events):
+            for (t0, n0, _), (t1, n1, _) in zip(rec, rec[1:]):
+                if n0 >= 1 and t1 > start and t0 < end:
+                    out.append(t1 - t0)
+        return out
+
+    def version_flips_mid_request(self) -> int:
+        return sum(1 for rec in list(self.events) if len({v for _, _, v in rec}) > 1)
+
+
+# ---- the bench --------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=str(ROOT / ".cache" / "bench-1gb"))
+    p.add_argument("--buckets", default="64,128,256", help="bucket sizes to try, MiB")
+    p.add_argument("--pushes", type=int, default=4, help="timed pushes per bucket size")
+    p.add_argument("--raw-reps", type=int, default=3)
+    p.add_argument("--disk-reps", type=int, default=3)
+    p.add_argument("--load-pushes", type=int, default=2, help="pushes while clients generate")
+    p.add_argument("--client-streams", type=int, default=2)
+    p.add_argument("--two-reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one bucket size (128), fewer repetitions")
+    a = p.parse_args()
+    if a.quick:
+        a.buckets, a.pushes, a.raw_reps, a.disk_reps, a.load_pushes, a.two_reps = "128", 2, 2, 1, 1, 2
+    buckets = [int(x) * MiB for x in a.buckets.split(",")]
+
+    from transformers import AutoModelForCausalLM
+
+    import httpx
+    from inference_server.process import ServerProcess
+    from inference_server.weights import digest as weights_digest
+    from weight_sync import weights_of
+    from weight_sync.sender import WeightSync
+
+    t_start = time.perf_counter()
+    path = model_dir(Path(a.model_dir))
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    params = weights_of(trainer)
+    nbytes = sum(t.nbytes for t in params.values())
+    log(f"model: {nbytes / 1e9:.3f} GB in {len(params)} tensors")
+    out: dict = {"model_bytes": nbytes}
+    version = 0
+
+    def next_version() -> int:
+        nonlocal version
+        version += 1
+        perturb(params, version)
+        return version
+
+    logs = Path(tempfile.mkdtemp(prefix="riptide_ws_bench_"))
+    servers = [ServerProcess(path, args=SERVER_ARGS, log_path=logs / f"server{i}.log") for i in range(2)]
+    syncs: list[WeightSync] = []
+    ckpt_dir = Path(tempfile.mkdtemp(prefix="ckpt_", dir=path.parent))
+    try:
+        # Both servers start together (each reads the checkpoint); B idles until the two-receiver step.
+        start_errors: list[BaseException] = []
+
+        def start(server: ServerProcess) -> None:
+            try:
+                server.start(timeout=300)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, in the main thread
+                start_errors.append(e)
+        threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if start_errors or any(s.proc is None or s.proc.poll() is not None for s in servers):
+            codes = [s.proc.poll() if s.proc else None for s in servers]
+            raise RuntimeError(f"a server failed to start ({start_errors}, exit codes {codes}); logs in {logs}")
+        A, B = servers
+        log(f"servers up at {A.url}, {B.url} ({time.perf_counter() - t_start:.1f} s); logs in {logs}")
+
+        # (a) Riptide's push to one idle server, per bucket size.
+        per_bucket: dict[int, list] = {}
+        for bb in buckets:
+            sync = WeightSync([A.url], bucket_bytes=bb, num_slots=2, timeout_s=120)
+            syncs.append(sync)
+            # Untimed: the first push allocates the slots and the shadow set; the second writes into the
+            # server's start-up weights, which from_pretrained left as a private mmap of the checkpoint
+            # (copy-on-write faults on every page, once). Neither recurs in steady state.
+            warm = [sync.push(params, next_version()) for _ in range(1 if per_bucket else 2)][-1]
+            runs = [sync.push(params, next_version()) for _ in range(a.pushes)]
+            per_bucket[bb] = runs
+            log(f"bucket {bb // MiB} MiB: warm-up {warm.gbps:.3f} GB/s; timed " +
+                ", ".join(f"{r.gbps:.3f}" for r in runs) + " GB/s")
+        best_bb = max(per_bucket, key=lambda bb: median([r.gbps for r in per_bucket[bb]]))
+        runs = sorted(per_bucket[best_bb], key=lambda r: r.seconds)
+        mid = runs[len(runs) // 2]   # the median push (upper median for even counts), for its stages
+        riptide = median([r.gbps for r in runs])
+        out.update(riptide_gbps=round(riptide, 3), riptide_best_gbps=round(max(r.gbps for r in runs), 3),
+                   bucket_mib=best_bb // MiB, buckets=mid.buckets,
+                   riptide_gbps_by_bucket={bb // MiB: round(median([r.gbps for r in rs]), 3)
+                                           for bb, rs in per_bucket.items()},
+                   push_seconds=round(median([r.seconds for r in runs]), 3),
+                   stages_s={k: round(getattr(mid, k), 3) for k in
+                             ("seconds", "open_s", "pack_s", "transfer_s", "apply_s", "commit_s")},
+                   transfer_only_gbps=round(mid.bytes / mid.transfer_s / 1e9, 3) if mid.transfer_s else None,
+                   retries=sum(r.retries for r in runs))
+        for s in syncs:
+            if s.bucket_bytes != best_bb:
+                s.close()
+        sync1 = next(s for s in syncs if s.bucket_bytes == best_bb)
+        syncs = [sync1]
+
+        # (b) raw Mooncake: the same bytes, one write and bucket-sized writes.
+        raw_one = raw_mooncake_runs(nbytes, a.raw_reps)
+        raw_chunked = raw_mooncake_runs(nbytes, a.raw_reps, best_bb)
+        log(f"raw mooncake: one write {['%.3f' % x for x in raw_one]}, {best_bb // MiB} MiB writes "
+            f"{['%.3f' % x for x in raw_chunked]} GB/s")
+        raw = max(median(raw_one), median(raw_chunked))
+        out.update(raw_mooncake_gbps=round(raw, 3), raw_mooncake_one_write_gbps=round(median(raw_one), 3),
+                   raw_mooncake_bucketed_gbps=round(median(raw_chunked), 3))
+
+        # (c) save_pretrained + /update_weights_from_disk, end to end. The reload maps the new file
+        # lazily (safetensors), so its bytes are read (page faults) during the first decode step after
+        # the swap: that extra time, over a warm one-token generate, is charged to the disk path too.
+        disk = []
+        with httpx.Client(base_url=A.url, timeout=600) as http:
+            def one_token() -> float:
+                t = time.perf_counter()
+                http.post("/generate", json={"input_ids": list(range(10, 26)), "sampling_params": {
+                    "max_new_tokens": 1, "temperature": 0.0}}).raise_for_status()
+                return time.perf_counter() - t
+
+            for _ in range(a.disk_reps):
+                v = next_version()
+                warm_gen = min(one_token() for _ in range(2))
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+                t0 = time.perf_counter()
+                trainer.save_pretrained(ckpt_dir)
+                t1 = time.perf_counter()
+                r = http.post("/update_weights_from_disk", json={"model_path": str(ckpt_dir), "weight_version": v})
+                t2 = time.perf_counter()
+                r.raise_for_status()
+                fault_in = max(0.0, one_token() - warm_gen)
+                disk.append(dict(total=t2 - t0 + fault_in, save=t1 - t0, reload=t2 - t1, fault_in=fault_in,
+                                 stall=r.json().get("stall_seconds", 0.0)))
+                log(f"disk: save {t1 - t0:.2f} s + reload {t2 - t1:.2f} s + first-decode fault-in {fault_in:.2f} s"
+                    f" -> {nbytes / disk[-1]['total'] / 1e9:.3f} GB/s")
+        disk_total = median([d["total"] for d in disk])
+        out.update(disk_reload_gbps=round(nbytes / disk_total / 1e9, 3),
+                   disk_reload_no_fault_in_gbps=round(nbytes / median([d["total"] - d["fault_in"] for d in disk]) / 1e9, 3),
+                   disk_save_s=round(median([d["save"] for d in disk]), 3),
+                   disk_reload_s=round(median([d["reload"] for d in disk]), 3),
+                   disk_first_decode_fault_in_s=round(median([d["fault_in"] for d in disk]), 3),
+                   disk_stall_s=round(median([d["stall"] for d in disk]), 4))
+        # The server now serves an mmap of that file; the next two pushes (untimed) leave it behind.
+        for _ in range(2):
+            sync1.push(params, next_version())
+
+        # Stall: pushes while clients stream tokens.
+        loaded = []
+        with StreamClient(A.url, a.client_streams, MODEL["vocab"]) as client:
+            deadline = time.monotonic() + 60
+            while client.tokens() < 4 * a.client_streams and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for _ in range(a.load_pushes):
+                v = next_version()
+                base_start = time.perf_counter()
+                time.sleep(2.0)
+                t0 = time.perf_counter()
+                st = sync1.push(params, v)
+                t1 = time.perf_counter()
+                time.sleep(0.5)
+                before, during = client.gaps(base_start, t0), client.gaps(t0, t1)
+                loaded.append((st, before, during))
+                log(f"push under load: {st.gbps:.3f} GB/s, stall {sum(st.stall_s.values()) * 1e3:.2f} ms, "
+                    f"gap max before {max(before, default=0) * 1e3:.0f} ms / during "
+                    f"{max(during, default=0) * 1e3:.0f} ms ({len(during)} tokens)")
+        if client.errors:
+            log(f"client errors: {client.errors[:3]}")
+        fractions = [sum(st.stall_s.values()) / st.seconds for st, _, _ in loaded]
+        all_before = [x for _, b, _ in loaded for x in b]
+        all_during = [x for _, _, d in loaded for x in d]
+        out.update(stall_fraction=round(max(fractions), 6),
+                   stall_s=round(max(sum(st.stall_s.values()) for st, _, _ in loaded), 5),
+                   push_under_load_gbps=round(median([st.gbps for st, _, _ in loaded]), 3),
+                   client_max_gap_before_s=round(max(all_before, default=0.0), 4),
+                   client_max_gap_during_s=round(max(all_during, default=0.0), 4),
+                   client_median_gap_before_s=round(median(all_before) or 0.0, 4),
+                   client_median_gap_during_s=round(median(all_during) or 0.0, 4),
+                   client_tokens_during_push=len(all_during),
+                   client_requests_spanning_a_flip=client.version_flips_mid_request(),
+                   client_errors=len(client.errors))
+
+        # Two receivers against one, interleaved.
+        sync2 = WeightSync([A.url, B.url], bucket_bytes=best_bb, num_slots=2, timeout_s=120)
+        syncs.append(sync2)
+        for _ in range(2):                   # warm-up: B's slots and shadow set, then its mmap'd start-up set
+            sync2.push(params, next_version())
+        one_s, two_s = [], []
+        for _ in range(a.two_reps):
+            one_s.append(sync1.push(params, next_version()).seconds)
+            two_s.append(sync2.push(params, next_version()).seconds)
+        log(f"one receiver {['%.3f' % x for x in one_s]} s, two {['%.3f' % x for x in two_s]} s")
+        out.update(two_receivers_over_one=round(median(two_s) / median(one_s), 3),
+                   two_receivers_gbps_per_receiver=round(nbytes / median(two_s) / 1e9, 3))
+
+        # Both servers now serve the trainer's last version: same bytes everywhere?
+        want = weights_digest(trainer)
+        got = [httpx.get(f"{s.url}/weight_sync/digest", timeout=120).json() for s in servers]
+        out["verified"] = all(g["digest"] == want and g["weight_version"] == version for g in got)
+        if not out["verified"]:
+            log(f"digest mismatch: trainer {want} v{version}, servers {got}")
+    finally:
+        for s in syncs:
+            try:
+                s.close()
+            except Exception as e:  # noqa: BLE001
+                log(f"closing a sender failed: {e}")
+        for s in servers:
+            s.stop()
+        shutil.rmtree(ckpt_dir, ignore_errors=True)
+
+    out["ratio_vs_raw"] = round(out["riptide_gbps"] / out["raw_mooncake_gbps"], 3)
+    out["ratio_vs_disk"] = round(out["riptide_gbps"] / out["disk_reload_gbps"], 3)
+    out["bench_seconds"] = round(time.perf_counter() - t_start, 1)
+    keys = ["riptide_gbps", "raw_mooncake_gbps", "disk_reload_gbps", "ratio_vs_raw", "ratio_vs_disk",
+            "stall_fraction", "two_receivers_over_one"]
+    print(json.dumps({**{k: out[k] for k in keys}, **{k: v for k, v in out.items() if k not in keys}}))
+
+
+if __name__ == "__main__":
+    main()

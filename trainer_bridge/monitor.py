@@ -1,0 +1,101 @@
+"""What a run shows: wandb (offline unless logged in), a progress bar, metrics.jsonl and a PNG."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trainer_bridge.config import LoggerConfig
+
+
+def wandb_mode(cfg: LoggerConfig) -> str:
+    if not cfg.wandb or cfg.mode == "disabled":
+        return "disabled"
+    if cfg.mode != "auto":
+        return cfg.mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    logged_in = bool(os.environ.get("WANDB_API_KEY")) or (Path.home() / ".netrc").exists() and \
+        "api.wandb.ai" in (Path.home() / ".netrc").read_text(errors="ignore")
+    return "online" if logged_in else "offline"
+
+
+class Monitor:
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0):
+        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.history: list[dict] = []
+        self.run = None
+        mode = wandb_mode(cfg)
+        if mode != "disabled":
+            import wandb
+            self.run = wandb.init(project=cfg.project, dir=str(self.run_dir), mode=mode, config=config,
+                                  resume="allow", id=self._run_id())
+        self.bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=first_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def _run_id(self) -> str:
+        path = self.run_dir / "wandb_run_id"
+        if not path.exists():
+            import uuid
+            path.write_text(uuid.uuid4().hex[:12])
+        return path.read_text().strip()
+
+    @property
+    def wandb_dir(self) -> str:
+        return str(Path(self.run.dir).parent) if self.run is not None else ""
+
+    def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
+        flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        record = {"step": step, **flat, "staleness_hist": metrics.get("staleness_hist", {}),
+                  "drops": metrics.get("drops", {})}
+        self.history.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.run is not None:
+            import wandb
+            payload = dict(flat)
+            for k, v in metrics.get("drops", {}).items():
+                payload[f"rollout/drops/{k}"] = v
+            hist = metrics.get("staleness_hist", {})
+            if hist:
+                payload["rollout/staleness"] = wandb.Histogram(
+                    np_histogram=([hist[k] for k in sorted(hist)], [*sorted(hist), max(hist) + 1]))
+            if samples and self.cfg.log_samples:
+                table = wandb.Table(columns=["prompt", "response", "reward", "versions"])
+                for s in samples[:self.cfg.log_samples]:
+                    table.add_data(s.prompt, s.response_text, s.reward, str(sorted(set(s.versions))))
+                payload["samples"] = table
+            self.run.log(payload, step=step)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(reward=f"{flat.get('reward/mean', 0):.3f}", stale=metrics.get("max_staleness", 0))
+
+    def finish(self) -> str:
+        if self.bar is not None:
+            self.bar.close()
+        plot = self.plot()
+        self.jsonl.close()
+        if self.run is not None:
+            self.run.finish()
+        return plot
+
+    def plot(self) -> str:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        steps = [r["step"] for r in self.history]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        a.plot(steps, [r.get("reward/mean", 0) for r in self.history], label="reward mean")
+        a.set_xlabel("step"), a.set_ylabel("reward"), a.set_title("reward"), a.grid(alpha=0.3)
+        b.plot(steps, [r.get("rollout/tokens_per_s", 0) for r in self.history], label="rollout tokens/s")
+        b.plot(steps, [r.get("train/trainer_tokens_per_s", 0) for r in self.history], label="trainer tokens/s")
+        b.set_xlabel("step"), b.set_title("throughput"), b.legend(), b.grid(alpha=0.3)
+        fig.tight_layout()
+        path = self.run_dir / "curves.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return str(path)

@@ -1,0 +1,109 @@
+"""The built-in GRPO trainer: PyTorch + transformers, on the same attach API an outside trainer uses.
+
+One step: take a batch from the backend, recompute logprobs with the current weights (micro-batches,
+gradient accumulation), clipped policy-gradient loss with truncated importance sampling against the
+server's behaviour logprobs, clip gradients, AdamW, push the new weights as version step + 1.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from inference_server.device import choose_device
+from trainer_bridge import grpo
+from trainer_bridge.config import TrainerConfig
+
+
+class GRPOTrainer:
+    def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0):
+        self.cfg = cfg
+        self.device = choose_device(cfg.device)
+        self.model = model.to(self.device).train()
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                           weight_decay=cfg.weight_decay)
+        self.reference = None
+        if cfg.kl_coef > 0:
+            import copy
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.step_count = 0
+
+    def _autocast(self):
+        enabled = self.cfg.dtype == "bfloat16" and self.device.type != "cpu"
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step over the whole batch; returns the step's training metrics."""
+        t0 = time.perf_counter()
+        self.model.train()
+        n = batch["input_ids"].shape[0]
+        tokens = float(batch["loss_mask"].sum())
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for start in range(0, n, self.cfg.micro_batch_size):
+            rows = slice(start, min(n, start + self.cfg.micro_batch_size))
+            loss, metrics, weight = self._micro_batch({k: v[rows] for k, v in batch.items() if torch.is_tensor(v)},
+                                                      tokens)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        self.optimizer.step()
+        self.step_count += 1
+        seconds = time.perf_counter() - t0
+        return {**sums, "grad_norm": float(grad_norm), "train_seconds": seconds,
+                "trainer_tokens_per_s": float(batch["attention_mask"].sum()) / seconds}
+
+    def _micro_batch(self, mb: dict, batch_tokens: float):
+        """Loss of one micro-batch, scaled so that gradients add up to the whole batch's loss."""
+        ids, attention = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
+        mask = mb["loss_mask"][:, 1:].to(self.device)                  # [mb, seq-1]: token t+1 given <= t
+        behaviour = mb["old_logprobs"][:, 1:].to(self.device)
+        advantages = mb["advantages"].to(self.device)                   # [mb]
+        with self._autocast():
+            logits = self.model(input_ids=ids, attention_mask=attention).logits
+        logprobs = grpo.sequence_logprobs(logits, ids, self.temperature)   # [mb, seq-1]
+        # One optimizer step per batch: the proximal policy is the current one, detached.
+        loss, metrics = grpo.policy_loss(
+            logprobs, logprobs.detach(), advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+            agg=self.cfg.loss_agg, behaviour_logprobs=behaviour if self.cfg.tis_cap > 0 else None,
+            tis_cap=self.cfg.tis_cap if self.cfg.tis_cap > 0 else None)
+        if self.reference is not None:
+            with torch.no_grad(), self._autocast():
+                ref = grpo.sequence_logprobs(self.reference(input_ids=ids, attention_mask=attention).logits, ids,
+                                             self.temperature)
+            kl = grpo.aggregate(grpo.kl_k3(logprobs, ref), mask, self.cfg.loss_agg)
+            loss = loss + self.cfg.kl_coef * kl
+            metrics = {**metrics, "kl_ref": kl.detach()}
+        mismatch = grpo.logprob_mismatch(logprobs.detach(), behaviour, mask)
+        metrics = {**metrics, **{f"logprob_{k}": v for k, v in mismatch.items()}, "loss": loss.detach()}
+        weight = float(mask.sum()) / max(batch_tokens, 1.0)
+        return loss * weight, metrics, weight
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save(self, directory: Path, step: int, rollout_state: dict, tokenizer=None) -> Path:
+        directory = Path(directory) / f"step-{step:06d}"
+        directory.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(directory)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+        torch.save({"optimizer": self.optimizer.state_dict(), "step": step,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}},
+                   directory / "trainer_state.pt")
+        (directory / "rollout_state.json").write_text(json.dumps(rollout_state))
+        (directory.parent / "latest").write_text(directory.name)
+        return directory
+
+    def load(self, directory: Path) -> tuple[int, dict]:
+        state = torch.load(Path(directory) / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        self.step_count = state["step"]
+        return state["step"], json.loads((Path(directory) / "rollout_state.json").read_text())
