@@ -203,6 +203,11 @@ def main() -> None:
         if start_errors or any(s.proc is None or s.proc.poll() is not None for s in servers):
             codes = [s.proc.poll() if s.proc else None for s in servers]
             raise RuntimeError(f"a server failed to start ({start_errors}, exit codes {codes}); logs in {logs}")
+        for s in servers:   # a free port can be taken by another process between the pick and the bind
+            info = httpx.get(f"{s.url}/get_model_info", timeout=10).json()
+            if info.get("model_path") != str(path) or s.proc.poll() is not None:
+                raise RuntimeError(f"{s.url} is not our server (exit code {s.proc.poll()}, serves "
+                                   f"{info.get('model_path')}); logs in {logs}")
         A, B = servers
         log(f"servers up at {A.url}, {B.url} ({time.perf_counter() - t_start:.1f} s); logs in {logs}")
 

@@ -31,12 +31,23 @@ def digit_items(kind: str, num_digits: int, count: int, seed: int) -> list[dict]
     return items
 
 
+def partial_credit_score(got: str, want: str) -> float:
+    """Half for the right characters in any order, half for the right characters in the right place;
+    extra characters cost as much as missing ones, so only exactly the answer scores 1."""
+    got = got.strip()
+    size = max(len(want), len(got), 1)
+    pool = list(want)
+    present = 0
+    for c in got:
+        if c in pool:
+            pool.remove(c)
+            present += 1
+    placed = sum(a == b for a, b in zip(got, want))
+    return 0.5 * present / size + 0.5 * placed / size
+
+
 async def partial_credit(sample: Sample) -> float:
-    """Share of answer characters the response gets right, position by position; extra characters
-    cost as much as missing ones, so the best response is exactly the answer."""
-    got, want = sample.response_text.strip(), str(sample.label)
-    right = sum(a == b for a, b in zip(got, want))
-    return right / max(len(want), len(got), 1)
+    return partial_credit_score(sample.response_text, str(sample.label))
 
 
 def dataset_items(path: str, prompt_key: str = "prompt", answer_key: str = "answer") -> list[dict]:
