@@ -62,46 +62,65 @@ def raw_mooncake_gbps(nbytes: int) -> float:
             receiver.join()
 
 
+class RawPair:
+    """A sender engine here and a receiver process, kept alive so raw writes can be interleaved with
+    other measurements (drifting background load then hits both alike). The receiver buffer is
+    touched by one untimed full write first, so first-touch page faults stay out of the timing."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._receiver = ctx.Process(target=receive, args=(child_conn, nbytes), daemon=True)
+        self._receiver.start()
+        try:
+            if not self._conn.poll(60):
+                raise RuntimeError("receiver did not report its session within 60 s")
+            self._peer, self._remote = self._conn.recv()
+            self._engine = start_engine()
+            self._source = torch.ones(nbytes, dtype=torch.uint8)
+            if self._engine.register_memory(self._source.data_ptr(), nbytes) != 0:
+                raise RuntimeError(f"sender could not register {nbytes} bytes")
+            self.write()  # handshake + receiver page faults, untimed
+        except BaseException:
+            self.close()
+            raise
+
+    def write(self, chunk_bytes: int | None = None) -> float:
+        """Seconds to write all bytes: one `transfer_sync_write`, or sequential ones of `chunk_bytes`."""
+        step = chunk_bytes or self.nbytes
+        started = time.perf_counter()
+        for off in range(0, self.nbytes, step):
+            n = min(step, self.nbytes - off)
+            if self._engine.transfer_sync_write(self._peer, self._source.data_ptr() + off, self._remote + off, n) != 0:
+                raise RuntimeError(f"write of {n} bytes to {self._peer} failed")
+        return time.perf_counter() - started
+
+    def gbps(self, chunk_bytes: int | None = None) -> float:
+        return self.nbytes / self.write(chunk_bytes) / 1e9
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+            self._receiver.join(30)
+        except (OSError, ValueError):
+            pass
+        if self._receiver.is_alive():
+            self._receiver.kill()
+            self._receiver.join()
+
+
 def raw_mooncake_runs(nbytes: int, reps: int = 3, chunk_bytes: int | None = None) -> list[float]:
     """GB/s of `reps` timed writes of `nbytes` into an already-touched receiver buffer.
 
-    Unlike `raw_mooncake_gbps`, one untimed full write goes first, so the receiver's first-touch page
-    faults stay out of the timing (Riptide's staging slots are warm after its first push too).
-    `chunk_bytes` splits each write into sequential `transfer_sync_write`s of that size, as a bucketed
-    push does; None writes it in one call.
+    Unlike `raw_mooncake_gbps`, one untimed full write goes first (see `RawPair`). `chunk_bytes`
+    splits each write into sequential writes of that size, as a bucketed push does.
     """
-    ctx = mp.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    receiver = ctx.Process(target=receive, args=(child_conn, nbytes), daemon=True)
-    receiver.start()
+    pair = RawPair(nbytes)
     try:
-        if not conn.poll(60):
-            raise RuntimeError("receiver did not report its session within 60 s")
-        peer, remote = conn.recv()
-        engine = start_engine()
-        source = torch.ones(nbytes, dtype=torch.uint8)
-        if engine.register_memory(source.data_ptr(), nbytes) != 0:
-            raise RuntimeError(f"sender could not register {nbytes} bytes")
-        step = chunk_bytes or nbytes
-
-        def write() -> float:
-            started = time.perf_counter()
-            for off in range(0, nbytes, step):
-                n = min(step, nbytes - off)
-                if engine.transfer_sync_write(peer, source.data_ptr() + off, remote + off, n) != 0:
-                    raise RuntimeError(f"write of {n} bytes to {peer} failed")
-            return time.perf_counter() - started
-
-        write()  # handshake + receiver page faults, untimed
-        out = [nbytes / write() / 1e9 for _ in range(reps)]
-        conn.send(None)
-        receiver.join(30)
-        return out
+        return [pair.gbps(chunk_bytes) for _ in range(reps)]
     finally:
-        if receiver.is_alive():
-            receiver.kill()
-            receiver.join()
-
+        pair.close()
 
 if __name__ == "__main__":
     print(json.dumps({"raw_mooncake_gbps": round(raw_mooncake_gbps(1 << 30), 3)}))

@@ -1,28 +1,29 @@
 """Weight sync of a ~1 GB model: Riptide's push against a raw Mooncake write and a disk reload.
 
-    python bench/weight_sync.py [--pushes 4] [--buckets 64,128,256] [--quick]
+    python bench/weight_sync.py [--buckets 64,128,256] [--pushes 3] [--final-reps 5] [--quick]
 
 Model: a random Qwen2 (hidden 1024, 17 layers, 16/4 heads, intermediate 2730, vocab 32000, untied,
 float32) = 1.011 GB of parameters, built once into .cache/bench-1gb. The trainer side is the same
 checkpoint loaded with `from_pretrained`; before every update one element of every tensor is nudged,
 so every version really differs (checked at the end: the servers' weight digests equal the trainer's).
 
- (a) riptide_gbps: `WeightSync([server]).push(model, v)` to one server (shadow mode, idle), bytes /
-     PushStats.seconds (open + stream + prepare + commit, end to end). One untimed warm-up push per
-     bucket size (it allocates the staging slots and the shadow set), then `--pushes` timed pushes;
-     the bucket size with the best median is chosen and its median reported. (Two warm-ups on the
+ (a) riptide_gbps: `WeightSync([server]).push(weights, v)` to one idle server (shadow mode), bytes /
+     PushStats.seconds (open + stream + prepare + commit, end to end). A sweep (untimed warm-up, then
+     `--pushes` timed pushes per size) picks the bucket size with the best median. Two warm-ups on the
      first size: the server's start-up weights are a private mmap of the checkpoint, and the second
-     push writes into them, paying copy-on-write faults once.)
- (b) raw_mooncake_gbps: Mooncake `transfer_sync_write` of the same bytes between two fresh processes,
-     no Riptide code, receiver buffer warm (bench/raw_mooncake.py `raw_mooncake_runs`): the better
-     median of one write and of sequential bucket-sized writes; each median is reported as well.
+     push writes into them (copy-on-write faults on every page, once).
+ (b) raw_mooncake_gbps: `transfer_sync_write` of the same bytes between two processes, no Riptide
+     code, receiver buffer warm (bench/raw_mooncake.py `RawPair`): the better median of one write and
+     of sequential bucket-sized writes. (a) and (b) are measured interleaved, `--final-reps` rounds at
+     the chosen size, so drifting background load hits both alike; ratio_vs_raw_paired is the median
+     of the per-round ratios.
  (c) disk_reload_gbps: `model.save_pretrained(tmp)` + `POST /update_weights_from_disk`, bytes /
      (save + reload + first-decode fault-in) seconds, median. The reload maps the file lazily, so its
      bytes are read during the first decode step after the swap; that step's extra time over a warm
      one-token generate is counted. The fresh file is read back from the page cache (no fsync).
  stall: 2 streaming clients keep generating (ignore_eos) while the server takes a push;
      stall_fraction = sum of server-reported stall seconds / push seconds (worst of the pushes).
-     Extras: client inter-token gaps (max / median) in a window before the push and during it.
+     Extras: client inter-token gaps (max / median) in the 2 s before each push and during it.
  two_receivers_over_one: median seconds of a push to two servers / of a push to one, interleaved.
 
 Logs go to stderr; the result is one JSON line on stdout.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The repo root must come first: this file is itself named weight_sync.py and would shadow the package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from raw_mooncake import raw_mooncake_runs  # noqa: E402
+from raw_mooncake import RawPair  # noqa: E402
 
 MODEL = dict(hidden=1024, layers=17, heads=16, kv_heads=4, intermediate=2730, vocab=32000, max_positions=2048,
              seed=0, arch="qwen2")
@@ -75,6 +77,15 @@ def perturb(params: dict[str, torch.Tensor], step: int) -> None:
         for p in params.values():
             flat = p.view(-1)
             flat[(step * 7919) % flat.numel()] += 1e-3
+
+
+def process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (all its threads); this process when pid is None."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def median(xs):
@@ -129,12 +140,13 @@ class StreamClient:
     def tokens(self) -> int:
         return sum(len(r) for r in self.events)
 
-    def gaps(self, start: float, end: float) -> list[float]:
-        """Inter-token gaps (decode steps, first token excluded) that overlap [start, end]."""
+    def gaps(self, start: float, end: float, overlap: bool = True) -> list[float]:
+        """Inter-token gaps (decode steps; prefill excluded) that overlap [start, end], or lie within it."""
         out = []
         for rec in list(self.events):
-            for (t0, n0, _), (t1, n1, _) in zip(rec, rec[1:]):
-                if n0 >= 1 and t1 > start and t0 < end:
+            for (t0, n0, _), (t1, _, _) in zip(rec, rec[1:]):
+                inside = (t1 > start and t0 < end) if overlap else (t0 >= start and t1 <= end)
+                if n0 >= 1 and inside:
                     out.append(t1 - t0)
         return out
 
@@ -147,8 +159,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=str(ROOT / ".cache" / "bench-1gb"))
     p.add_argument("--buckets", default="64,128,256", help="bucket sizes to try, MiB")
-    p.add_argument("--pushes", type=int, default=4, help="timed pushes per bucket size")
-    p.add_argument("--raw-reps", type=int, default=3)
+    p.add_argument("--pushes", type=int, default=3, help="timed pushes per bucket size in the sweep")
+    p.add_argument("--final-reps", type=int, default=5, help="interleaved Riptide / raw rounds at the chosen size")
     p.add_argument("--disk-reps", type=int, default=3)
     p.add_argument("--load-pushes", type=int, default=2, help="pushes while clients generate")
     p.add_argument("--client-streams", type=int, default=2)
@@ -156,7 +168,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one bucket size (128), fewer repetitions")
     a = p.parse_args()
     if a.quick:
-        a.buckets, a.pushes, a.raw_reps, a.disk_reps, a.load_pushes, a.two_reps = "128", 2, 2, 1, 1, 2
+        a.buckets, a.pushes, a.final_reps, a.disk_reps, a.load_pushes, a.two_reps = "128", 1, 2, 1, 1, 2
     buckets = [int(x) * MiB for x in a.buckets.split(",")]
 
     from transformers import AutoModelForCausalLM
@@ -187,22 +199,10 @@ def main() -> None:
     syncs: list[WeightSync] = []
     ckpt_dir = Path(tempfile.mkdtemp(prefix="ckpt_", dir=path.parent))
     try:
-        # Both servers start together (each reads the checkpoint); B idles until the two-receiver step.
-        start_errors: list[BaseException] = []
-
-        def start(server: ServerProcess) -> None:
-            try:
-                server.start(timeout=300)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, in the main thread
-                start_errors.append(e)
-        threads = [threading.Thread(target=start, args=(s,)) for s in servers]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if start_errors or any(s.proc is None or s.proc.poll() is not None for s in servers):
-            codes = [s.proc.poll() if s.proc else None for s in servers]
-            raise RuntimeError(f"a server failed to start ({start_errors}, exit codes {codes}); logs in {logs}")
+        # Started one after the other from the main thread: ServerProcess sets PR_SET_PDEATHSIG, which
+        # fires when the *thread* that forked the server exits, so a helper thread would kill it.
+        for s in servers:
+            s.start(timeout=300)
         for s in servers:   # a free port can be taken by another process between the pick and the bind
             info = httpx.get(f"{s.url}/get_model_info", timeout=10).json()
             if info.get("model_path") != str(path) or s.proc.poll() is not None:
@@ -211,46 +211,60 @@ def main() -> None:
         A, B = servers
         log(f"servers up at {A.url}, {B.url} ({time.perf_counter() - t_start:.1f} s); logs in {logs}")
 
-        # (a) Riptide's push to one idle server, per bucket size.
-        per_bucket: dict[int, list] = {}
+        # (a) Riptide's push to one idle server: a sweep over bucket sizes picks the size.
+        sweep: dict[int, list] = {}
         for bb in buckets:
             sync = WeightSync([A.url], bucket_bytes=bb, num_slots=2, timeout_s=120)
             syncs.append(sync)
             # Untimed: the first push allocates the slots and the shadow set; the second writes into the
             # server's start-up weights, which from_pretrained left as a private mmap of the checkpoint
             # (copy-on-write faults on every page, once). Neither recurs in steady state.
-            warm = [sync.push(params, next_version()) for _ in range(1 if per_bucket else 2)][-1]
-            runs = [sync.push(params, next_version()) for _ in range(a.pushes)]
-            per_bucket[bb] = runs
+            warm = [sync.push(params, next_version()) for _ in range(1 if sweep else 2)][-1]
+            sweep[bb] = [sync.push(params, next_version()).gbps for _ in range(a.pushes)]
             log(f"bucket {bb // MiB} MiB: warm-up {warm.gbps:.3f} GB/s; timed " +
-                ", ".join(f"{r.gbps:.3f}" for r in runs) + " GB/s")
-        best_bb = max(per_bucket, key=lambda bb: median([r.gbps for r in per_bucket[bb]]))
-        runs = sorted(per_bucket[best_bb], key=lambda r: r.seconds)
-        mid = runs[len(runs) // 2]   # the median push (upper median for even counts), for its stages
-        riptide = median([r.gbps for r in runs])
-        out.update(riptide_gbps=round(riptide, 3), riptide_best_gbps=round(max(r.gbps for r in runs), 3),
-                   bucket_mib=best_bb // MiB, buckets=mid.buckets,
-                   riptide_gbps_by_bucket={bb // MiB: round(median([r.gbps for r in rs]), 3)
-                                           for bb, rs in per_bucket.items()},
-                   push_seconds=round(median([r.seconds for r in runs]), 3),
-                   stages_s={k: round(getattr(mid, k), 3) for k in
-                             ("seconds", "open_s", "pack_s", "transfer_s", "apply_s", "commit_s")},
-                   transfer_only_gbps=round(mid.bytes / mid.transfer_s / 1e9, 3) if mid.transfer_s else None,
-                   retries=sum(r.retries for r in runs))
+                ", ".join(f"{g:.3f}" for g in sweep[bb]) + " GB/s")
+        best_bb = max(sweep, key=lambda bb: median(sweep[bb]))
         for s in syncs:
             if s.bucket_bytes != best_bb:
                 s.close()
         sync1 = next(s for s in syncs if s.bucket_bytes == best_bb)
         syncs = [sync1]
 
-        # (b) raw Mooncake: the same bytes, one write and bucket-sized writes.
-        raw_one = raw_mooncake_runs(nbytes, a.raw_reps)
-        raw_chunked = raw_mooncake_runs(nbytes, a.raw_reps, best_bb)
-        log(f"raw mooncake: one write {['%.3f' % x for x in raw_one]}, {best_bb // MiB} MiB writes "
-            f"{['%.3f' % x for x in raw_chunked]} GB/s")
-        raw = max(median(raw_one), median(raw_chunked))
-        out.update(raw_mooncake_gbps=round(raw, 3), raw_mooncake_one_write_gbps=round(median(raw_one), 3),
-                   raw_mooncake_bucketed_gbps=round(median(raw_chunked), 3))
+        # (a) + (b), interleaved so that drifting background load hits both alike: a Riptide push at
+        # the chosen size, a raw Mooncake write of the same bytes in one call, and one in bucket-sized calls.
+        pair = RawPair(nbytes)
+        runs, raw_one, raw_bucketed, cpu = [], [], [], []
+        try:
+            for _ in range(a.final_reps):
+                v = next_version()
+                c0, r0 = process_cpu_s(), process_cpu_s(A.proc.pid)
+                runs.append(sync1.push(params, v))
+                cpu.append((process_cpu_s() - c0, process_cpu_s(A.proc.pid) - r0))
+                raw_one.append(pair.gbps())
+                raw_bucketed.append(pair.gbps(best_bb))
+        finally:
+            pair.close()
+        log(f"chosen {best_bb // MiB} MiB: riptide {['%.3f' % r.gbps for r in runs]}, raw one write "
+            f"{['%.3f' % x for x in raw_one]}, raw {best_bb // MiB} MiB writes {['%.3f' % x for x in raw_bucketed]} GB/s")
+        by_time = sorted(runs, key=lambda r: r.seconds)
+        mid = by_time[len(by_time) // 2]          # the median push, for its stages
+        raw = max(median(raw_one), median(raw_bucketed))
+        out.update(riptide_gbps=round(median([r.gbps for r in runs]), 3),
+                   raw_mooncake_gbps=round(raw, 3),
+                   riptide_best_gbps=round(max(r.gbps for r in runs), 3), bucket_mib=best_bb // MiB,
+                   buckets=mid.buckets,
+                   riptide_gbps_by_bucket={bb // MiB: round(median(g), 3) for bb, g in sweep.items()},
+                   push_seconds=round(mid.seconds, 3),
+                   stages_s={k: round(getattr(mid, k), 3) for k in
+                             ("seconds", "open_s", "pack_s", "transfer_s", "apply_s", "commit_s")},
+                   transfer_only_gbps=round(mid.bytes / mid.transfer_s / 1e9, 3) if mid.transfer_s else None,
+                   cpu_s_per_push={"sender": round(median([c for c, _ in cpu]), 3),
+                                   "receiver": round(median([r for _, r in cpu]), 3)},
+                   retries=sum(r.retries for r in runs),
+                   raw_mooncake_one_write_gbps=round(median(raw_one), 3),
+                   raw_mooncake_bucketed_gbps=round(median(raw_bucketed), 3),
+                   ratio_vs_raw_paired=round(median([r.gbps / max(o, b) for r, o, b in
+                                                     zip(runs, raw_one, raw_bucketed)]), 3))
 
         # (c) save_pretrained + /update_weights_from_disk, end to end. The reload maps the new file
         # lazily (safetensors), so its bytes are read (page faults) during the first decode step after
@@ -303,7 +317,7 @@ def main() -> None:
                 st = sync1.push(params, v)
                 t1 = time.perf_counter()
                 time.sleep(0.5)
-                before, during = client.gaps(base_start, t0), client.gaps(t0, t1)
+                before, during = client.gaps(base_start, t0, overlap=False), client.gaps(t0, t1)
                 loaded.append((st, before, during))
                 log(f"push under load: {st.gbps:.3f} GB/s, stall {sum(st.stall_s.values()) * 1e3:.2f} ms, "
                     f"gap max before {max(before, default=0) * 1e3:.0f} ms / during "

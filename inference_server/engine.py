@@ -214,10 +214,11 @@ class Engine:
                     self.scheduler.add(s)
         return self.submit(run)
 
-    def abort(self, rid: str | None) -> Future:
-        """Abort one request (and its n samples) or, with rid None, all of them."""
+    def abort(self, rid: str | list[str] | None) -> Future:
+        """Abort requests (with their n samples) by rid, or, with rid None, all of them."""
         def run():
-            seqs = self.scheduler.all() if rid is None else self.scheduler.find(rid)
+            rids = [rid] if isinstance(rid, str) else rid
+            seqs = self.scheduler.all() if rids is None else [s for r in rids for s in self.scheduler.find(r)]
             for s in seqs:
                 self._abort_one(s)
             return seqs

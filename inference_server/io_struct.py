@@ -84,7 +84,7 @@ class GenerateReqInput(BaseModel):
 
 
 class AbortReqInput(BaseModel):
-    rid: StrictStr = ""
+    rid: Union[StrictStr, list[StrictStr]] = ""     # a list is Riptide's extension: one call, many aborts
     abort_all: StrictBool = False
 
 

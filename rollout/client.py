@@ -71,8 +71,16 @@ class ServerClient:
                 versions = [fallback_version] * len(ids)
         return Generation(ids, lps, versions, meta["finish_reason"]["type"], out.get("text", ""))
 
-    async def abort(self, rid: str) -> None:
-        await self._post("/abort_request", {"rid": rid}, timeout=10)
+    async def abort(self, rids: list[str]) -> None:
+        """Abort requests by rid: one call on a Riptide server; one call per rid on a plain SGLang one."""
+        if not rids:
+            return
+        try:
+            await self._post("/abort_request", {"rid": rids if len(rids) > 1 else rids[0]}, timeout=10)
+        except ServerError as e:
+            if e.retryable or len(rids) == 1:
+                raise
+            await asyncio.gather(*(self._post("/abort_request", {"rid": r}, timeout=10) for r in rids))
 
     async def get(self, path: str, timeout: float = 10) -> dict:
         try:

@@ -167,7 +167,7 @@ class RolloutManager:
         """Abort everything in flight; unfinished groups stay as partial groups (see state_dict)."""
         self.stopping = True
         self._notify()
-        await self._abort([rid for rid in self.inflight])
+        await self._abort(list(self.inflight))
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=self.cfg.request_timeout_s)
         if self._producer is not None:
@@ -298,15 +298,21 @@ class RolloutManager:
                 fresh.append(g)
         self.ready = fresh
 
-    async def on_weights_updated(self, version: int) -> None:
-        """The trainer published `version`: apply the in-flight policy; aborted samples resume on it."""
+    async def on_weights_updated(self, version: int, wait: bool = False) -> None:
+        """The trainer published `version`: apply the in-flight policy; aborted samples resume on it.
+        The aborts go out in the background unless `wait`: the trainer need not wait for them."""
         self.trainer_version = version
         rids = list(self.inflight)
-        if self.cfg.update_policy == "abort_all":
-            await self._abort(rids)
-        elif self.cfg.update_policy == "abort_furthest" and rids:
+        if self.cfg.update_policy == "abort_furthest":
             rids.sort(key=self._tokens_left, reverse=True)
-            await self._abort(rids[:math.ceil(len(rids) * self.cfg.abort_fraction)])
+            rids = rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
+        elif self.cfg.update_policy == "continue":
+            rids = []
+        task = asyncio.create_task(self._abort(rids), name=f"abort-for-v{version}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        if wait:
+            await task
         self._notify()
 
     def _tokens_left(self, rid: str) -> float:
@@ -322,14 +328,19 @@ class RolloutManager:
             self._rate = rate if self._rate is None else 0.9 * self._rate + 0.1 * rate
 
     async def _abort(self, rids: list[str]) -> None:
-        async def one(rid):
+        """One abort call per server for all of its requests among `rids`."""
+        by_server: dict[str, tuple[ServerClient, list[str]]] = {}
+        for rid in rids:
             r = self.inflight.get(rid)
             if r is not None:
-                try:
-                    await r.client.abort(rid)
-                except ServerError as e:
-                    log.info("abort of %s failed: %s", rid, e)
-        await asyncio.gather(*(one(rid) for rid in rids))
+                by_server.setdefault(r.client.url, (r.client, []))[1].append(rid)
+
+        async def one(client: ServerClient, server_rids: list[str]) -> None:
+            try:
+                await client.abort(server_rids)
+            except ServerError as e:
+                log.info("abort of %d requests on %s failed: %s", len(server_rids), client.url, e)
+        await asyncio.gather(*(one(c, r) for c, r in by_server.values()))
 
     def _notify(self) -> None:
         self._wake_producer.set()

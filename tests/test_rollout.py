@@ -113,7 +113,7 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
         sync = WeightSync([url], bucket_bytes=1 << 20)
         await asyncio.to_thread(sync.push, new, version)
         sync.close()
-        await m.on_weights_updated(version)
+        await m.on_weights_updated(version, wait=True)
         groups, metrics = await m.next_batch()
         await m.stop()
         return groups, metrics

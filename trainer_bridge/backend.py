@@ -18,6 +18,7 @@ import asyncio
 import logging
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,7 +117,9 @@ class RolloutBackend:
         then let the manager apply its in-flight policy. Returns the push's PushStats."""
         stats = self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
         self.version = version
+        t = time.perf_counter()
         self._call(self.manager.on_weights_updated(version))
+        self.last_update_policy_s = time.perf_counter() - t
         return stats
 
     def close(self) -> None:

@@ -49,7 +49,7 @@ def step_metrics(batch: dict, train: dict, sync, seconds: dict) -> dict:
            "rollout/tokens_resumed": r["tokens_resumed"], "rollout/tokens_wasted": r["tokens_wasted"],
            "rollout/retries": r["retries"], "rollout/max_staleness": r["max_staleness"],
            "time/wait_for_data_s": seconds["wait"], "time/train_s": seconds["train"],
-           "time/weight_sync_s": seconds["sync"],
+           "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
            "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"]}
     out.update({f"train/{k}": v for k, v in train.items()})
