@@ -248,10 +248,11 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
             tokens += tok
             inflight_samples.append(metrics["inflight"])
             version = await trainer.step(tok)
+            n_inflight = len(m.inflight)
             await m.on_weights_updated(version)
             log(f"async step {step}: waited {metrics['wait_s']:.2f}s, {tok} tokens, staleness {sorted(set(st))}, "
                 f"inflight {metrics['inflight']}, running {metrics['groups_running']}, ready {metrics['groups_ready']}, "
-                f"drops {metrics['drops']}, trainer at v{version}")
+                f"drops {metrics['drops']}, trainer at v{version}, inflight at update {n_inflight}")
         wall = time.monotonic() - t0
         s1 = await server_stats(client)
     finally:
@@ -263,6 +264,9 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
             "staleness_hist": dict(sorted(hist.items())),
             "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "trainer_wait_s": wait_s,
+            "server_aborted": s1["aborted_requests"] - s0["aborted_requests"],
+            "server_tokens": s1["generation_tokens"] - s0["generation_tokens"],
+            "server_prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
             "train_s": trainer.train_s, "push_s": trainer.push_s, "samples_lost": len(lost),
             "samples_started": len(started), "samples_pending": len(pending & started),
             "tokens_generated": mt.tokens_generated, "tokens_wasted": mt.tokens_wasted,
@@ -345,7 +349,8 @@ async def bench(args, url, path) -> dict:
         "push_median_s": round(push_med, 3),
         "staleness_hist": asyn["staleness_hist"], "drops": asyn["drops"], "stale_dropped": asyn["stale_dropped"],
         "samples_started": asyn["samples_started"], "samples_pending": asyn["samples_pending"],
-        "tokens_aborted": asyn["tokens_aborted"], "tokens_resumed": asyn["tokens_resumed"],
+        "tokens_aborted": asyn["tokens_aborted"], "server_aborted": asyn["server_aborted"],
+        "async_server_gen_tokens": asyn["server_tokens"], "async_server_prompt_tokens": asyn["server_prompt_tokens"], "tokens_resumed": asyn["tokens_resumed"],
         "mean_inflight_at_batch": round(asyn["mean_inflight_at_batch"], 1),
         "server_version_start": v0, "server_version_end": asyn["server_version_end"],
         "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),
@@ -378,7 +383,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 steps, batch 8")
     p.add_argument("--server-log", default=None)
+    p.add_argument("--verbose", action="store_true", help="rollout.* logs at INFO")
     args = p.parse_args(argv)
+    if args.verbose:
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        logging.getLogger("rollout").setLevel(logging.INFO)
     if args.quick:
         args.steps, args.batch_size = 4, 8
 

@@ -245,7 +245,8 @@ def main() -> None:
         finally:
             pair.close()
         log(f"chosen {best_bb // MiB} MiB: riptide {['%.3f' % r.gbps for r in runs]}, raw one write "
-            f"{['%.3f' % x for x in raw_one]}, raw {best_bb // MiB} MiB writes {['%.3f' % x for x in raw_bucketed]} GB/s")
+            f"{['%.3f' % x for x in raw_one]}, raw {best_bb // MiB} MiB writes "
+            f"{['%.3f' % x for x in raw_bucketed]} GB/s")
         by_time = sorted(runs, key=lambda r: r.seconds)
         mid = by_time[len(by_time) // 2]          # the median push, for its stages
         raw = max(median(raw_one), median(raw_bucketed))
@@ -294,7 +295,8 @@ def main() -> None:
                     f" -> {nbytes / disk[-1]['total'] / 1e9:.3f} GB/s")
         disk_total = median([d["total"] for d in disk])
         out.update(disk_reload_gbps=round(nbytes / disk_total / 1e9, 3),
-                   disk_reload_no_fault_in_gbps=round(nbytes / median([d["total"] - d["fault_in"] for d in disk]) / 1e9, 3),
+                   disk_reload_no_fault_in_gbps=round(
+                       nbytes / median([d["total"] - d["fault_in"] for d in disk]) / 1e9, 3),
                    disk_save_s=round(median([d["save"] for d in disk]), 3),
                    disk_reload_s=round(median([d["reload"] for d in disk]), 3),
                    disk_first_decode_fault_in_s=round(median([d["fault_in"] for d in disk]), 3),

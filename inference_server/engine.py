@@ -125,16 +125,14 @@ class Engine:
 
     def step(self) -> None:
         t0 = time.perf_counter()
-        seqs, is_prefill = self.scheduler.schedule()
+        decode, prefill = self.scheduler.schedule()
+        seqs = decode + prefill
         if not seqs:
             return
-        if is_prefill:
-            for s in seqs:
-                s.prefill_version = self.version
-            self.stats.prompt_tokens += sum(s.num_tokens for s in seqs)
-            logits = self.runner.prefill(seqs)
-        else:
-            logits = self.runner.decode(seqs)
+        for s in prefill:
+            s.prefill_version = self.version
+        self.stats.prompt_tokens += sum(s.num_tokens for s in prefill)
+        logits = self.runner.forward(decode, prefill)
         tokens, logprobs = self.sampler(logits, seqs)
         self._postprocess(seqs, tokens, logprobs)
         self.stats.steps += 1

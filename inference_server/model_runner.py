@@ -73,17 +73,34 @@ class DecoderRunner:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.decoder.norm(x)).float()
 
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run whole prompts (prompt + any output already made) of newcomers; [batch, vocab]."""
-        ids = [s.all_ids for s in seqs]
-        lens = [len(i) for i in ids]
-        tokens = torch.tensor([t for i in ids for t in i], device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        starts = [sum(lens[:j]) for j in range(len(lens))]
+    def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
+        """One step: a token for each decoding sequence (`decode[b]` owns slot b) and the whole
+        prompt (prompt + any output so far) of each newcomer, in one pass through the layers.
+        Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order."""
+        b = len(decode)
+        ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
+        pos = [s.num_tokens - 1 for s in decode]
+        spans = []                                   # (seq, first row, length) of each newcomer
+        for s in prefill:
+            spans.append((s, len(ids), s.num_tokens))
+            ids += s.all_ids
+            pos += range(s.num_tokens)
+        tokens = torch.tensor(ids, device=self.device)
+        positions = torch.tensor(pos, device=self.device)
+        if b:
+            length = max(pos[:b]) + 1
+            dec_pos = positions[:b]
+            mask = (torch.arange(length, device=self.device)[None, :] <= dec_pos[:, None])[:, None, None, :]
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
-            for s, start, n in zip(seqs, starts, lens):
+            if b:
+                self.kv.write_decode(layer, dec_pos, k[:b], v[:b])
+                ks, vs = self.kv.view(layer, b, length)
+                o = F.scaled_dot_product_attention(q[:b, :, None, :], ks, vs, attn_mask=mask,
+                                                   scale=self.scaling, enable_gqa=True)
+                out[:b] = o[:, :, 0, :]
+            for s, start, n in spans:
                 qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
                 self.kv.write_prefill(layer, s.slot, ks, vs)
                 o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
@@ -92,27 +109,8 @@ class DecoderRunner:
             return out.flatten(1)
 
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
-        last = torch.tensor([st + n - 1 for st, n in zip(starts, lens)], device=self.device)
-        return self._logits(x[last])
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for each running sequence; `seqs[b]` owns slot `b`. Returns [batch, vocab]."""
-        b = len(seqs)
-        tokens = torch.tensor([s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs],
-                              device=self.device)
-        positions = torch.tensor([s.num_tokens - 1 for s in seqs], device=self.device)
-        length = int(positions.max()) + 1
-        mask = (torch.arange(length, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-
-        def attend(layer, q, k, v):
-            self.kv.write_decode(layer, positions, k, v)
-            ks, vs = self.kv.view(layer, b, length)
-            o = F.scaled_dot_product_attention(q[:, :, None, :], ks, vs, attn_mask=mask,
-                                               scale=self.scaling, enable_gqa=True)
-            return o.reshape(b, -1)
-
-        x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
-        return self._logits(x)
+        rows = list(range(b)) + [start + n - 1 for _, start, n in spans]
+        return self._logits(x[torch.tensor(rows, device=self.device)] if spans else x)
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.kv.move(src, dst, length)
@@ -129,19 +127,15 @@ class GenericRunner:
         self.device = next(model.parameters()).device
         self.caches: list = [None] * num_slots
 
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+    def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         rows = []
-        for s in seqs:
-            out = self.model(torch.tensor([s.all_ids], device=self.device), use_cache=True)
+        for s in decode:
+            ids = torch.tensor([[s.output_ids[-1] if s.output_ids else s.prompt_ids[-1]]], device=self.device)
+            out = self.model(ids, past_key_values=self.caches[s.slot], use_cache=True)
             self.caches[s.slot] = out.past_key_values
             rows.append(out.logits[0, -1])
-        return torch.stack(rows).float()
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        rows = []
-        for s in seqs:
-            ids = torch.tensor([[s.output_ids[-1]]], device=self.device)
-            out = self.model(ids, past_key_values=self.caches[s.slot], use_cache=True)
+        for s in prefill:
+            out = self.model(torch.tensor([s.all_ids], device=self.device), use_cache=True)
             self.caches[s.slot] = out.past_key_values
             rows.append(out.logits[0, -1])
         return torch.stack(rows).float()

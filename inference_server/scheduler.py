@@ -1,7 +1,7 @@
 """Decides which sequences run each step. Imports no torch.
 
 Slots: `running[i]` owns KV slot `i`, always a dense prefix, so a decode step attends over slots
-`[0, len(running))` with no gather. Removing a sequence moves the last one into its hole; the
+`[0, len(decode))` with no gather; newcomers take the slots after them. Removing a sequence moves the last one into its hole; the
 caller applies the returned move `(src, dst)` to the KV cache.
 """
 from __future__ import annotations
@@ -27,23 +27,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return not self.paused and bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Prefill newcomers while slots and the token budget allow; otherwise decode everyone."""
+    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decode, prefill): everyone running decodes one token, and newcomers join the same step
+        while slots and the prefill token budget allow, so a join never stalls the running batch."""
         if self.paused:
-            return [], False
-        batch, budget = [], self.max_prefill_tokens
+            return [], []
+        decode = list(self.running)
+        prefill, budget = [], self.max_prefill_tokens
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if batch and seq.num_tokens > budget:
+            if prefill and seq.num_tokens > budget:
                 break
             self.waiting.popleft()
             budget -= seq.num_tokens
             seq.slot, seq.status = len(self.running), SeqStatus.RUNNING
             self.running.append(seq)
-            batch.append(seq)
-        if batch:
-            return batch, True
-        return list(self.running), False
+            prefill.append(seq)
+        return decode, prefill
 
     def remove(self, seq: Sequence) -> tuple[int, int] | None:
         """Take `seq` out of the queues. Returns the KV slot move `(src, dst)` this causes, if any."""

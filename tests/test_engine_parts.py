@@ -15,13 +15,11 @@ def test_scheduler_keeps_slots_dense():
     a, b, c, d = seq("a"), seq("b"), seq("c"), seq("d")
     for x in (a, b, c, d):
         s.add(x)
-    batch, prefill = s.schedule()
-    assert prefill and batch == [a, b, c] and [x.slot for x in batch] == [0, 1, 2]
-    assert s.schedule() == ([a, b, c], False)          # d waits for a slot
+    assert s.schedule() == ([], [a, b, c]) and [x.slot for x in (a, b, c)] == [0, 1, 2]
+    assert s.schedule() == ([a, b, c], [])              # d waits for a slot
     assert s.remove(a) == (2, 0)                       # c moves into a's hole
     assert (c.slot, s.running) == (0, [c, b])
-    batch, prefill = s.schedule()
-    assert prefill and batch == [d] and d.slot == 2
+    assert s.schedule() == ([c, b], [d]) and d.slot == 2   # d joins while c and b decode
     assert s.remove(d) is None                         # the last slot leaves no hole
 
 
@@ -29,13 +27,13 @@ def test_scheduler_prefill_budget_and_retract():
     s = Scheduler(max_running=8, max_prefill_tokens=10, context_length=64)
     a, b = seq("a", 6), seq("b", 6)
     s.add(a), s.add(b)
-    assert s.schedule() == ([a], True)                 # b does not fit the token budget
-    assert s.schedule() == ([b], True)
+    assert s.schedule() == ([], [a])                   # b does not fit the token budget
+    assert s.schedule() == ([a], [b])
     s.retract_all()
     assert list(s.waiting) == [a, b] and not s.running
     assert a.status is SeqStatus.WAITING and a.slot is None and a.num_retractions == 1
     s.paused = True
-    assert s.schedule() == ([], False) and not s.has_work
+    assert s.schedule() == ([], []) and not s.has_work
 
 
 def test_sampler_truncation_and_seed():
