@@ -5,8 +5,9 @@ STAMP   := .venv/.riptide-setup
 EXTRAS  ?= dev,cpu
 TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +26,9 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
+	$(PY) -m trainer_bridge.train $(DEMO_ARGS)
+
+serve-demo: setup
 	$(PY) -m inference_server.demo
 
 bench: setup
