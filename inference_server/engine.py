@@ -67,6 +67,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, load_weights
     else:               # the architecture only: a peer pushes the weights (cold start)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
     model = model.to(device).eval().requires_grad_(False)
+    # Own the weights in memory: a file-mapped parameter faults pages in on its first write or
+    # read (seconds per GB), which would land inside a weight update or the first decode.
+    for p in model.parameters():
+        p.data = p.data.clone()
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -95,6 +99,7 @@ class Engine:
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
         self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
+        self.retired: list[list[torch.Tensor]] = []
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -246,15 +251,22 @@ class Engine:
         return self.submit(run)
 
     def swap_weights(self, tensors: dict[str, torch.Tensor], version: int) -> Future:
-        """Swap in a complete, already-checked set of weights between two steps. Returns stall seconds."""
+        """Swap in a complete, already-checked set of weights between two steps. Returns stall
+        seconds. The replaced tensors wait in `retired` for the caller's `free_retired()`, so that
+        freeing them (tens of ms per GB) happens on the caller's thread, not inside the stall."""
         def run():
             t0 = time.perf_counter()
-            weights.swap_in(self.model, tensors)
+            self.retired.append(weights.swap_in(self.model, tensors))
             self.version, self.has_weights = version, True
             self.stats.weight_updates += 1
             self.stats.last_swap_stall_s = time.perf_counter() - t0
             return self.stats.last_swap_stall_s
         return self.submit(run)
+
+    def free_retired(self) -> list[list[torch.Tensor]]:
+        """Hand over (and forget) the weights replaced by swaps: dropping the result frees them."""
+        retired, self.retired = self.retired, []
+        return retired
 
     def set_version(self, version: int) -> Future:
         def run():

@@ -351,6 +351,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         if req.abort_all_requests:
             await asyncio.wrap_future(engine.abort(None))
         stall = await asyncio.wrap_future(engine.swap_weights(tensors, version))
+        await asyncio.to_thread(engine.free_retired)
         return {"success": True, "message": f"loaded {req.model_path}", "weight_version": str(version),
                 "stall_seconds": stall}
 

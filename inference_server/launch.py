@@ -4,6 +4,10 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
+import signal
+import threading
+import time
 
 import uvicorn
 
@@ -34,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pause and write into the live weights")
     p.add_argument("--weights-from-peer", default=None,
                    help="URL of a live server: start without reading weights from disk and pull them from it")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is gone (set by launchers, so a killed one leaves no server)")
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
     if a.max_running_requests < 1:
@@ -41,8 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def watch_parent(pid: int) -> None:
+    """Stop this server (SIGTERM: a clean shutdown) once the process that launched it is gone."""
+    def run():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
+    if a.parent_pid is not None:
+        watch_parent(a.parent_pid)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
                                max_running_requests=a.max_running_requests, context_length=a.context_length,

@@ -12,16 +12,6 @@ from pathlib import Path
 import httpx
 
 
-def _die_with_parent() -> None:
-    """Runs in the child before exec: Linux sends it SIGTERM when the launching process dies, so a
-    killed launcher (even SIGKILL) leaves no server behind."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -47,11 +37,10 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
         cmd = [sys.executable, "-m", "inference_server", "--model-path", self.model_path,
-               "--host", self.host, "--port", str(self.port), *self.args]
+               "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()), *self.args]
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(self.env or {})}, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                     env={**os.environ, **(self.env or {})}, start_new_session=True)
         self.wait_ready(timeout)
         return self
 

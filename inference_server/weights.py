@@ -14,8 +14,9 @@ def load_checkpoint(path: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"model_path {str(path)!r} is not a directory")
     files = sorted(path.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
-        return {k: v for f in files for k, v in load_file(str(f)).items()}
+        from safetensors.torch import load
+        # Read the bytes now (not a lazy file mapping), so no page faults land in serving later.
+        return {k: v for f in files for k, v in load(f.read_bytes()).items()}
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         return {k: v for f in bins for k, v in torch.load(f, map_location="cpu", weights_only=True).items()}
@@ -42,10 +43,14 @@ def match(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def swap_in(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Point each parameter at its new tensor: no copy, so serving stalls only for the swap."""
+def swap_in(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Point each parameter at its new tensor: no copy, so serving stalls only for the swap.
+    Returns the old tensors, so that the caller frees them outside the stall."""
+    old = []
     for name, p in parameters(model).items():
+        old.append(p.data)
         p.data = tensors[name]
+    return old
 
 
 def digest(model: torch.nn.Module) -> str:

@@ -122,6 +122,7 @@ class Receiver:
         if self.shadow:
             old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
             stall = self.engine.swap_weights(update.targets, req.version).result()
+            self.engine.free_retired()   # `old` keeps them: the live set of before is the next shadow
             self._shadow = old
         else:
             self.engine.set_version(req.version).result()
