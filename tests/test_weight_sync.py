@@ -74,19 +74,23 @@ def test_plan_never_splits_a_tensor_that_fits():
         plan_buckets(specs, 0)
 
 
-def test_push_changes_what_the_server_generates(fresh_server, new_model):
+def test_push_changes_what_the_server_generates(fresh_server, new_model, hf_model):
     srv = fresh_server()
     sync = sync_to(srv.url)
     try:
         stats = sync.push(new_model, version=1)
+        assert stats.buckets > 3 and stats.bytes > 0 and stats.retries == 0 and stats.gbps > 0
+        assert version(srv.url) == 1
+        out = greedy(srv.url)
+        assert out["output_ids"] == reference(new_model)
+        assert out["meta_info"]["output_token_versions"] == [1] * 12
+        assert srv.url in stats.stall_s
+        # the two shadow buffers take turns: every later push lands whole as well
+        for v, model in ((2, hf_model), (3, new_model), (4, hf_model)):
+            sync.push(model, version=v)
+            assert greedy(srv.url)["output_ids"] == reference(model) and version(srv.url) == v
     finally:
         sync.close()
-    assert stats.buckets > 3 and stats.bytes > 0 and stats.retries == 0 and stats.gbps > 0
-    assert version(srv.url) == 1
-    out = greedy(srv.url)
-    assert out["output_ids"] == reference(new_model)
-    assert out["meta_info"]["output_token_versions"] == [1] * 12
-    assert srv.url in stats.stall_s
 
 
 def test_two_servers_both_flip_and_stale_versions_are_refused(fresh_server, new_model):

@@ -78,6 +78,29 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
+def bucket_offsets(plan: list[Bucket]) -> list[int]:
+    """Bucket k holds bytes [offsets[k], offsets[k] + nbytes) of all tensors laid end to end in
+    spec order: the plan cuts that one byte stream, so a flat buffer in that layout takes every
+    bucket in place."""
+    out, pos = [], 0
+    for b in plan:
+        out.append(pos)
+        pos += b.nbytes
+    return out
+
+
+def flat_views(specs: list[TensorSpec], flat: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """Tensors viewing `flat` (uint8) in spec order, or None when a dtype would sit misaligned."""
+    views, pos = {}, 0
+    for s in specs:
+        dtype = DTYPES[s.dtype]
+        if pos % dtype.itemsize:
+            return None
+        views[s.name] = flat[pos:pos + s.nbytes].view(dtype).view(s.shape)
+        pos += s.nbytes
+    return views
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy)."""
     return t.reshape(-1).view(torch.uint8)

@@ -32,7 +32,8 @@ class OpenRequest(BaseModel):
 
 class OpenReply(BaseModel):
     session: str                       # the receiver's transport session id
-    slot_addrs: list[int]
+    slot_addrs: list[int]              # staging slots (in-place mode): bucket k goes to slot k % len
+    direct_base: int | None = None     # shadow mode: bucket k goes to direct_base + its plan offset
     specs: list[SpecMsg]               # what the receiver needs, in plan order
     current_version: int
 

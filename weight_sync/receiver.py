@@ -1,8 +1,9 @@
 """The receiving end of weight sync, inside an inference server: stage, verify, commit.
 
-Shadow mode (default): buckets are verified and copied into a second set of weights while the
-engine keeps serving; commit swaps pointers between two decode steps, so the stall is the swap.
-The old live set becomes the next update's shadow. In-place mode (no memory for a shadow): the
+Shadow mode (default): the shadow set is one registered flat buffer laid out in plan order, so the
+sender writes every bucket straight into its final place and the receiver only verifies digests
+(no staging copy). Commit swaps pointers between two decode steps, so the stall is the swap. Two
+flat buffers alternate as live and shadow. In-place mode (no memory for a shadow): the
 engine is paused in place at the first bucket and buckets are copied into the live weights; a
 failed update leaves the engine paused and marked torn, never serving a mix of versions.
 Fencing: an update must be newer than what is served and than any other update staged.
@@ -18,7 +19,7 @@ import torch
 
 from inference_server import weights
 from inference_server.engine import PauseMode
-from weight_sync.bucket import Bucket, TensorSpec, digest, plan_buckets, unpack
+from weight_sync.bucket import Bucket, TensorSpec, bucket_offsets, digest, flat_views, plan_buckets, unpack
 from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, InFlight, OpenReply,
                                   OpenRequest, SpecMsg)
 from weight_sync.transports import Transport
@@ -33,10 +34,23 @@ class ReceiverError(Exception):
 
 
 @dataclass
+class _Flat:
+    """A whole set of weights in one registered buffer (plan order); `views` are the tensors."""
+    buffer: torch.Tensor
+    views: dict[str, torch.Tensor]
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.buffer.data_ptr()
+        return start <= t.data_ptr() < start + self.buffer.numel()
+
+
+@dataclass
 class _Update:
     version: int
     plan: list[Bucket]
     targets: dict[str, torch.Tensor]
+    offsets: list[int] = field(default_factory=list)
+    flat: _Flat | None = None               # shadow mode: buckets land here directly
     applied: set[int] = field(default_factory=set)
     prepared: bool = False
     started: float = field(default_factory=time.monotonic)
@@ -51,7 +65,8 @@ class Receiver:
         self._make_transport = make_transport
         self._transport: Transport | None = None
         self._slots: list[torch.Tensor] = []
-        self._shadow: dict[str, torch.Tensor] | None = None
+        self._shadow: dict[str, torch.Tensor] | None = None   # fallback when a flat layout misaligns
+        self._flats: list[_Flat] = []
         self._update: _Update | None = None
         self._lock = threading.Lock()
         self.torn = False                    # in-place update failed half way: weights are mixed
@@ -80,19 +95,30 @@ class Receiver:
                 log.warning("dropping staged update %d for %d from %s", staged.version, req.version, req.sender)
             specs = self.specs()
             plan = plan_buckets(specs, req.bucket_bytes)
-            self._ensure_slots(max(b.nbytes for b in plan), req.num_slots)
-            self._update = _Update(req.version, plan, self._targets())
-            return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in self._slots],
+            flat = self._spare_flat(specs) if self.shadow else None
+            if flat is None:
+                self._ensure_slots(max(b.nbytes for b in plan), req.num_slots)
+            targets = flat.views if flat is not None else self._targets()
+            self._update = _Update(req.version, plan, targets, bucket_offsets(plan), flat)
+            return OpenReply(session=self.transport.session_id,
+                             slot_addrs=[] if flat is not None else [s.data_ptr() for s in self._slots],
+                             direct_base=flat.buffer.data_ptr() if flat is not None else None,
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
                              current_version=current)
 
     def apply(self, req: ApplyRequest) -> None:
-        """Verify the bucket in staging slot `req.slot` and copy it into the update's targets."""
+        """Verify bucket `req.bucket` where it landed (its place in the flat shadow, or staging slot
+        `req.slot`) and, from a staging slot, copy it into the update's targets."""
         update = self._current(req.version)
-        if not 0 <= req.bucket < len(update.plan) or not 0 <= req.slot < len(self._slots):
+        staged = update.flat is None
+        if not 0 <= req.bucket < len(update.plan) or (staged and not 0 <= req.slot < len(self._slots)):
             raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range")
         bucket = update.plan[req.bucket]
-        data = self._slots[req.slot][:bucket.nbytes]
+        if not staged:
+            start = update.offsets[req.bucket]
+            data = update.flat.buffer[start:start + bucket.nbytes]
+        else:
+            data = self._slots[req.slot][:bucket.nbytes]
         got = digest(data)
         if got != req.digest:
             raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
@@ -101,7 +127,8 @@ class Receiver:
             self.engine.pause(PauseMode.IN_PLACE).result()
             update.paused_at = time.perf_counter()
             self.torn = True                 # from here until commit the live weights are mixed
-        unpack(bucket, data, update.targets)
+        if staged:
+            unpack(bucket, data, update.targets)
         update.applied.add(req.bucket)
 
     def prepare(self, version: int) -> None:
@@ -122,8 +149,9 @@ class Receiver:
         if self.shadow:
             old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
             stall = self.engine.swap_weights(update.targets, req.version).result()
-            self.engine.free_retired()   # `old` keeps them: the live set of before is the next shadow
-            self._shadow = old
+            self.engine.free_retired()   # freed here, on this thread, if nothing else holds them
+            if update.flat is None:
+                self._shadow = old       # the fallback path reuses the old live set as its shadow
         else:
             self.engine.set_version(req.version).result()
             self.engine.resume().result()
@@ -168,6 +196,20 @@ class Receiver:
         self._slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
         for s in self._slots:
             self.transport.register(s)
+
+    def _spare_flat(self, specs: list[TensorSpec]) -> _Flat | None:
+        """A flat buffer that is not being served from, allocating one (at most two exist)."""
+        first = next(iter(weights.parameters(self.engine.model).values()))
+        for flat in self._flats:
+            if not flat.holds(first):
+                return flat
+        buffer = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=first.device)
+        views = flat_views(specs, buffer)
+        if views is None:                    # mixed dtypes that misalign: fall back to staging slots
+            return None
+        self.transport.register(buffer)
+        self._flats.append(_Flat(buffer, views))
+        return self._flats[-1]
 
     def _targets(self) -> dict[str, torch.Tensor]:
         params = weights.parameters(self.engine.model)

@@ -17,7 +17,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, as_bytes, digest, plan_buckets
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, as_bytes, bucket_offsets, digest, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.protocol import ApplyRequest, CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest
 from weight_sync.transports import Transport, TransportError, WriteOp
@@ -82,6 +82,7 @@ class WeightSync:
         self.timeout_s, self.allow_partial, self.max_retries = timeout_s, allow_partial, max_retries
         self._local: list[torch.Tensor] = []
         self._version: int | None = None
+        self._offsets: list[int] = []
         self._pool = ThreadPoolExecutor(max_workers=2 * len(self.clients) + 2, thread_name_prefix="weight-sync")
 
     # ---- the update, top to bottom ---------------------------------------------------------------
@@ -154,6 +155,7 @@ class WeightSync:
 
     def _stream(self, peers, plan: list[Bucket], sources, version: int, stats: PushStats) -> None:
         self._ensure_local(max(b.nbytes for b in plan))
+        self._offsets = bucket_offsets(plan)
         ring = len(self._local)
         packed: dict[int, Future] = {0: self._pool.submit(self._pack, plan[0], sources, 0)} if plan else {}
         applying: dict[int, list[tuple[_Peer, Future]]] = {}
@@ -166,7 +168,7 @@ class WeightSync:
             pack_s, dig = packed.pop(k).result()
             stats.pack_s += pack_s
             t = time.perf_counter()
-            self._each(peers, lambda p: self._write(p, k % ring, k % self.num_slots, bucket.nbytes), "transfer")
+            self._each(peers, lambda p: self._write(p, k % ring, k, bucket.nbytes), "transfer")
             stats.transfer_s += time.perf_counter() - t
             applying[k] = [(p, self._pool.submit(self._apply, p, version, k, dig))
                            for p in peers if p.error is None]
@@ -182,9 +184,14 @@ class WeightSync:
                 as_bytes(src)[piece.offset:piece.offset + piece.length])
         return time.perf_counter() - t, digest(out[:bucket.nbytes])
 
-    def _write(self, peer: _Peer, local_slot: int, remote_slot: int, nbytes: int) -> None:
+    def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
+        """Bucket k from a local slot into the peer: its final place when the peer takes buckets
+        directly into its flat shadow, else the peer's staging slot k % num_slots."""
         src = self._local[local_slot]
-        op = WriteOp(src.data_ptr(), peer.reply.slot_addrs[remote_slot], nbytes)
+        reply = peer.reply
+        remote = reply.direct_base + self._offsets[k] if reply.direct_base is not None \
+            else reply.slot_addrs[k % self.num_slots]
+        op = WriteOp(src.data_ptr(), remote, nbytes)
         try:
             self.transport.write(peer.reply.session, [op], self.timeout_s)
         except TransportError as e:
@@ -210,7 +217,7 @@ class WeightSync:
                     log.warning("%s; rewriting bucket %d (attempt %d)", e, k, attempt + 1)
                     stats.retries += 1
                     try:
-                        self._write(peer, k % len(self._local), k % self.num_slots, bucket.nbytes)
+                        self._write(peer, k % len(self._local), k, bucket.nbytes)
                     except ReceiverCallError as we:
                         self._fail(peer, we)
                         break
