@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
                      weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
     if not is_loopback(a.host) and a.api_key is None:
         logging.getLogger(__name__).warning("admin endpoints are refused on %s without --api-key", a.host)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, timeout_keep_alive=75)
 
 
 if __name__ == "__main__":

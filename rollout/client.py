@@ -29,12 +29,17 @@ class Generation:
 
 
 class ServerClient:
-    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None, connect_retries: int = 2):
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None, connect_retries: int = 2,
+                 max_connections: int = 128):
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=5.0),
-                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+                                       # a bounded pool: httpcore scans every pooled connection per request;
+                                       # keep-alive shorter than the server's, so it never closes one under us
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections,
+                                                           keepalive_expiry=30.0))
         self.connect_retries = connect_retries
 
     async def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:

@@ -23,6 +23,7 @@ class RolloutConfig:
     top_k: int = -1
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    group_filter: str = "all_equal"     # all_equal (DAPO dynamic sampling) | none | module:function
     use_chat_template: bool = False
     request_timeout_s: float = 600.0
     max_request_retries: int = 3        # moves of one request to another server after failures

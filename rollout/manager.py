@@ -106,7 +106,11 @@ class RolloutContext:
         async with m.request_slots:
             if m.stopping:
                 raise Stopped()
-            client = m.router.pick(self.server)
+            try:
+                client = m.router.pick(self.server)
+            except NoServerAvailable:       # every server is down: wait for one, don't fail the sample
+                await m.router.wait_for_server(m.cfg.request_timeout_s)
+                return None, None
             self._requests += 1
             rid, started = f"{sample.uid}-{self._requests}", time.monotonic()
             m.inflight[rid] = _Request(sample, client, started, params["max_new_tokens"])
@@ -125,7 +129,8 @@ class RolloutContext:
 
     async def _failed(self, sample: Sample, client: ServerClient, error: ServerError):
         m = self.manager
-        m.router.mark_down(client, str(error))
+        if not await client.healthy():      # a dropped connection to a live server is no reason to shun it
+            m.router.mark_down(client, str(error))
         sample.num_retries += 1
         m.metrics.retries += 1
         self.server = None
@@ -195,6 +200,8 @@ class RolloutManager:
                 pass
 
     def _may_start(self) -> bool:
+        if len(self.router.down) == len(self.router.clients):
+            return False                    # no server: starting groups would only fail them
         in_progress = len(self.running) + len(self.ready)
         if in_progress >= self.cfg.groups_in_progress:
             return False

@@ -48,7 +48,6 @@ class BackendConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    group_filter: str = "all_equal"
     normalize_std: bool = True
     seed: int = 0
     log_dir: str = ""
@@ -69,7 +68,7 @@ class RolloutBackend:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.data = PromptSource(items if items is not None else task_items(cfg.task, cfg.seed), seed=cfg.seed)
         self.reward = get_reward(cfg.task.reward)
-        self.rollout_fn, self.group_filter = rollout_fn, get_filter(cfg.group_filter)
+        self.rollout_fn, self.group_filter = rollout_fn, get_filter(cfg.rollout.group_filter)
         self.servers: list[ServerProcess] = []
         self.manager: RolloutManager | None = None
         self.sync = None
@@ -93,8 +92,8 @@ class RolloutBackend:
         if model is not None:
             self.sync.push(model, version)
         self.version = version
-        router = Router([ServerClient(u, self.cfg.rollout.request_timeout_s, self.cfg.server.api_key or None)
-                         for u in urls])
+        router = Router([ServerClient(u, self.cfg.rollout.request_timeout_s, self.cfg.server.api_key or None,
+                                      max_connections=self.cfg.rollout.max_inflight) for u in urls])
         self.manager = RolloutManager(self.cfg.rollout, router, self.data, self.tokenizer, self.reward,
                                       self.rollout_fn, self.group_filter)
         if self._state is not None:
