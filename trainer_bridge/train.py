@@ -71,7 +71,8 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from trainer_bridge.run import run
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger().setLevel(logging.WARNING)      # Hydra sets INFO: one line per HTTP request
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         job = to_job(cfg)
     except ValueError as e:
