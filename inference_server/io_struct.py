@@ -99,11 +99,10 @@ class UpdateWeightsFromDiskReqInput(BaseModel):
     abort_all_requests: StrictBool = False
 
 
-class CompletionRequest(BaseModel):
+class _OpenAISampling(BaseModel):
+    """The sampling fields both OpenAI-shaped endpoints share."""
     model_config = ConfigDict(extra="ignore")
     model: Union[StrictStr, None] = None
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
-    max_tokens: StrictInt = 16
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: StrictInt = -1
@@ -111,8 +110,13 @@ class CompletionRequest(BaseModel):
     n: StrictInt = 1
     stop: Union[StrictStr, list[StrictStr], None] = None
     seed: Union[StrictInt, None] = None
-    logprobs: Union[StrictInt, None] = None
     stream: StrictBool = False
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
+    max_tokens: StrictInt = 16
+    logprobs: Union[StrictInt, None] = None
 
 
 class ChatMessage(BaseModel):
@@ -121,21 +125,11 @@ class ChatMessage(BaseModel):
     content: Union[StrictStr, None] = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: Union[StrictStr, None] = None
+class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Union[StrictInt, None] = None
     max_completion_tokens: Union[StrictInt, None] = None
-    temperature: Number = 1.0
-    top_p: Number = 1.0
-    top_k: StrictInt = -1
-    min_p: Number = 0.0
-    n: StrictInt = 1
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    seed: Union[StrictInt, None] = None
     logprobs: StrictBool = False
-    stream: StrictBool = False
 
 
 def parse_version(value: int | str | None, field: str = "weight_version") -> int | None:
