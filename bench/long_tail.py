@@ -28,7 +28,9 @@ a and b are calibrated on an untimed warm-up sync batch (other items): a = b * t
 Metrics: samples/s = trained samples / wall (first request to last push); busy ratio = delta of the
 server's stats.busy_seconds / wall; max staleness of any trained sample at consumption
 (`s.staleness(trainer_version)`); samples lost = started, neither trained nor pending after stop();
-tokens wasted fraction = manager tokens_wasted / tokens_generated.
+tokens wasted fraction = manager tokens_wasted / tokens_generated; tokens_wasted_fraction_server (extra) =
+1 - (trained + pending samples' tokens) / tokens the server generated in (b), independent of the manager's
+counters (they miss the tokens of groups reset by stale_policy=regenerate).
 
 Logs go to stderr; the result is one JSON line on stdout.
 """
@@ -251,14 +253,21 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
             n_inflight = len(m.inflight)
             await m.on_weights_updated(version)
             log(f"async step {step}: waited {metrics['wait_s']:.2f}s, {tok} tokens, staleness {sorted(set(st))}, "
-                f"inflight {metrics['inflight']}, running {metrics['groups_running']}, ready {metrics['groups_ready']}, "
+                f"inflight {metrics['inflight']}, running {metrics['groups_running']}, "
+                f"ready {metrics['groups_ready']}, "
                 f"drops {metrics['drops']}, trainer at v{version}, inflight at update {n_inflight}")
         wall = time.monotonic() - t0
         s1 = await server_stats(client)
     finally:
         await m.stop()
+        s2 = await server_stats(client)
         await router.close()
-    pending = {s.uid for g in [*m.ready, *m.resume, *m.running.values()] for s in g.samples}
+    pending_samples = [s for g in [*m.ready, *m.resume, *m.running.values()] for s in g.samples]
+    pending = {s.uid for s in pending_samples}
+    # independent of the manager's counters: tokens the server generated in this phase that are neither
+    # in a trained sample nor kept by a pending one
+    server_gen = s2["generation_tokens"] - s0["generation_tokens"]
+    kept = tokens + sum(s.num_generated for s in pending_samples)
     lost = started - trained_uids - pending
     mt = m.metrics
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
@@ -270,7 +279,8 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
             "train_s": trainer.train_s, "push_s": trainer.push_s, "samples_lost": len(lost),
             "samples_started": len(started), "samples_pending": len(pending & started),
             "tokens_generated": mt.tokens_generated, "tokens_wasted": mt.tokens_wasted,
-            "tokens_aborted": mt.tokens_aborted, "tokens_resumed": mt.tokens_resumed,
+            "tokens_aborted": mt.tokens_aborted, "server_gen_total": server_gen, "tokens_kept": kept,
+            "tokens_resumed": mt.tokens_resumed,
             "drops": dict(mt.drops), "stale_dropped": mt.stale_dropped,
             "mean_len": tokens / max(trained, 1), "consumed_groups": m.consumed_groups - consumed0,
             "mean_inflight_at_batch": statistics.mean(inflight_samples) if inflight_samples else 0,
@@ -336,12 +346,14 @@ async def bench(args, url, path) -> dict:
         "staleness_bound": async_cfg.max_staleness,
         "samples_lost": asyn["samples_lost"],
         "tokens_wasted_fraction": round(asyn["tokens_wasted"] / max(asyn["tokens_generated"], 1), 4),
+        "tokens_wasted_fraction_server": round(1 - asyn["tokens_kept"] / max(asyn["server_gen_total"], 1), 4),
         # extras
         "sync_tokens_per_s": round(sync["tokens"] / sync["wall_s"], 1),
         "async_tokens_per_s": round(asyn["tokens"] / asyn["wall_s"], 1),
         "token_speedup": round((asyn["tokens"] / asyn["wall_s"]) / (sync["tokens"] / sync["wall_s"]), 3),
         "sync_mean_len": round(sync["mean_len"], 1), "async_mean_len": round(asyn["mean_len"], 1),
-        "speedup_bound_trainer": round((sync["wall_s"] / args.steps) / ((asyn["train_s"] + asyn["push_s"]) / args.steps), 3),
+        # sync step time / the async trainer's own time per step: the speedup if generation were free
+        "speedup_bound_trainer": round(sync["wall_s"] / (asyn["train_s"] + asyn["push_s"]), 3),
         "sync_wall_s": round(sync["wall_s"], 1), "async_wall_s": round(asyn["wall_s"], 1),
         "sync_gen_s": round(sync["gen_s"], 1), "sync_train_s": round(sync["train_s"], 1),
         "sync_push_s": round(sync["push_s"], 1), "async_train_s": round(asyn["train_s"], 1),
@@ -350,7 +362,8 @@ async def bench(args, url, path) -> dict:
         "staleness_hist": asyn["staleness_hist"], "drops": asyn["drops"], "stale_dropped": asyn["stale_dropped"],
         "samples_started": asyn["samples_started"], "samples_pending": asyn["samples_pending"],
         "tokens_aborted": asyn["tokens_aborted"], "server_aborted": asyn["server_aborted"],
-        "async_server_gen_tokens": asyn["server_tokens"], "async_server_prompt_tokens": asyn["server_prompt_tokens"], "tokens_resumed": asyn["tokens_resumed"],
+        "async_server_gen_tokens": asyn["server_tokens"], "async_server_prompt_tokens": asyn["server_prompt_tokens"],
+        "tokens_resumed": asyn["tokens_resumed"],
         "mean_inflight_at_batch": round(asyn["mean_inflight_at_batch"], 1),
         "server_version_start": v0, "server_version_end": asyn["server_version_end"],
         "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),

@@ -31,6 +31,10 @@ class SlotKVCache:
         # [batch, kv_heads, length, head_dim], strided views: no copy
         return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, :length]
 
+    def row(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # [kv_heads, length, head_dim] of one slot
+        return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+
     def move(self, src: int, dst: int, length: int) -> None:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]

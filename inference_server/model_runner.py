@@ -90,16 +90,27 @@ class DecoderRunner:
         if b:
             length = max(pos[:b]) + 1
             dec_pos = positions[:b]
-            mask = (torch.arange(length, device=self.device)[None, :] <= dec_pos[:, None])[:, None, None, :]
+            # One batched attention pads every row to the longest; with a long tail (one row at
+            # 1000 tokens, the rest at 100) per-row attention over each row's own length is cheaper.
+            per_row = b > 1 and length > 2 * (sum(pos[:b]) / b + 1)
+            if not per_row:
+                mask = (torch.arange(length, device=self.device)[None, :] <= dec_pos[:, None])[:, None, None, :]
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
             if b:
                 self.kv.write_decode(layer, dec_pos, k[:b], v[:b])
-                ks, vs = self.kv.view(layer, b, length)
-                o = F.scaled_dot_product_attention(q[:b, :, None, :], ks, vs, attn_mask=mask,
-                                                   scale=self.scaling, enable_gqa=True)
-                out[:b] = o[:, :, 0, :]
+                if per_row:
+                    for row in range(b):
+                        ks, vs = self.kv.row(layer, row, pos[row] + 1)
+                        o = F.scaled_dot_product_attention(q[row, :, None, :][None], ks[None], vs[None],
+                                                           scale=self.scaling, enable_gqa=True)
+                        out[row] = o[0, :, 0, :]
+                else:
+                    ks, vs = self.kv.view(layer, b, length)
+                    o = F.scaled_dot_product_attention(q[:b, :, None, :], ks, vs, attn_mask=mask,
+                                                       scale=self.scaling, enable_gqa=True)
+                    out[:b] = o[:, :, 0, :]
             for s, start, n in spans:
                 qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
                 self.kv.write_prefill(layer, s.slot, ks, vs)

@@ -164,6 +164,7 @@ class RolloutManager:
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> None:
         self.stopping = False
+        self._base = (self.trainer_version, self.consumed_groups)
         self.request_slots = asyncio.Semaphore(self.cfg.max_inflight)
         self._wake_producer, self._wake_consumer = asyncio.Event(), asyncio.Event()
         self._producer = asyncio.create_task(self._produce(), name="rollout-producer")
@@ -206,9 +207,10 @@ class RolloutManager:
         if in_progress >= self.cfg.groups_in_progress:
             return False
         # AReaL's bound: a group started now is consumed before the trainer passes version
-        # trainer_version + max_staleness, given one batch per version.
-        capacity = (self.trainer_version + self.cfg.max_staleness + 1) * self.cfg.batch_size
-        return self.consumed_groups + in_progress < capacity
+        # trainer_version + max_staleness, given one batch per version (counted from start()).
+        base_version, base_consumed = self._base
+        capacity = (self.trainer_version - base_version + self.cfg.max_staleness + 1) * self.cfg.batch_size
+        return self.consumed_groups - base_consumed + in_progress < capacity
 
     def _new_group(self) -> Group:
         item = self.data.next()
@@ -262,12 +264,11 @@ class RolloutManager:
 
     def _drop(self, group: Group, reason: str) -> None:
         self.metrics.drops[reason] += 1
+        self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
         if reason == "stale" and self.cfg.stale_policy == "regenerate":
             for s in group.samples:
                 s.reset()
             self.resume.append(group)
-            return
-        self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
 
     def admit(self, sample: Sample) -> None:
         """Admission check before every request of a trajectory."""

@@ -143,12 +143,19 @@ def test_staleness_bound_at_consumption(servers, tokenizer):
     assert not m.ready and m.metrics.drops["stale"] >= 2 and m.metrics.stale_dropped >= 8
 
 
-def test_staleness_bound_at_admission(servers, tokenizer):
+def test_staleness_bound_at_admission(servers, tokenizer, tiny_model):
+    import httpx
+    url = servers()[0].url
+    old = int(httpx.get(f"{url}/get_weight_version").json()["weight_version"])
+    # the server moves two versions on (same weights, new version): the partial tokens are now 2 behind
+    r = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": tiny_model, "weight_version": old + 2})
+    assert r.status_code == 200, r.text
+
     async def main():
-        m = manager([servers()[0].url], tokenizer, max_staleness=1, batch_size=1)
+        m = manager([url], tokenizer, max_staleness=1, batch_size=1)
         partial = [Sample("g-old", i, [5, 6, 7], label=0, response_ids=[9, 9], logprobs=[-1.0, -1.0],
-                          versions=[0, 0], loss_mask=[1, 1], status=SampleStatus.PARTIAL) for i in range(4)]
-        state = {"trainer_version": 2, "consumed_groups": 2, "data": m.data.state_dict(), "metrics": {},
+                          versions=[old, old], loss_mask=[1, 1], status=SampleStatus.PARTIAL) for i in range(4)]
+        state = {"trainer_version": old + 2, "consumed_groups": 2, "data": m.data.state_dict(), "metrics": {},
                  "groups": [{"group_id": "g-old", "data_index": -1, "samples": [s.to_dict() for s in partial]}]}
         m.load_state_dict(json.loads(json.dumps(state)))
         await m.start()

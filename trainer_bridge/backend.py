@@ -99,6 +99,8 @@ class RolloutBackend:
         if self._state is not None:
             self.manager.load_state_dict(self._state)
         self.manager.trainer_version = version
+        if self._state is None:
+            self.manager.consumed_groups = 0
         self._call(self.manager.start())
 
     def next_batch(self, timeout_s: float | None = None) -> dict:
