@@ -32,7 +32,7 @@ serve-demo: setup
 	$(PY) -m inference_server.demo
 
 bench: setup
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf .venv build *.egg-info
