@@ -24,6 +24,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     group_filter: str = "all_equal"     # all_equal (DAPO dynamic sampling) | none | module:function
+    filter_patience: int = 0            # after this many filter drops for one batch, keep what it rejects (0: never)
     use_chat_template: bool = False
     request_timeout_s: float = 600.0
     max_request_retries: int = 3        # moves of one request to another server after failures
@@ -39,6 +40,7 @@ class RolloutConfig:
             (self.stale_policy in STALE_POLICIES, f"rollout.stale_policy={self.stale_policy!r}: use one of {STALE_POLICIES}"),
             (self.update_policy in UPDATE_POLICIES,
              f"rollout.update_policy={self.update_policy!r}: use one of {UPDATE_POLICIES}"),
+            (self.filter_patience >= 0, f"rollout.filter_patience={self.filter_patience}: must be >= 0"),
             (0.0 <= self.abort_fraction <= 1.0, f"rollout.abort_fraction={self.abort_fraction}: must be in [0, 1]"),
             (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1"),
             (self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0"),

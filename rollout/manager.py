@@ -58,6 +58,7 @@ class RolloutMetrics:
     retries: int = 0
     drops: collections.Counter = field(default_factory=collections.Counter)
     stale_dropped: int = 0
+    kept_past_patience: int = 0    # groups the filter rejected but kept (filter_patience)
 
     def snapshot(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "drops"}
@@ -158,6 +159,7 @@ class RolloutManager:
         self.tasks: set[asyncio.Task] = set()
         self.stopping = False
         self._rate: float | None = None              # tokens/s of one request, for the abort policy
+        self._filtered = 0                           # filter drops since the last batch went out
         self._producer: asyncio.Task | None = None
         self._last_batch = (time.monotonic(), 0, 0)  # time, samples finished, tokens generated
 
@@ -233,6 +235,15 @@ class RolloutManager:
                 return                                  # stays in `running`; stop() keeps it for resume
             stale = [r for r in results if isinstance(r, StaleSample)]
             reason = "stale" if stale else self._verdict(group)
+            if reason not in (None, "stale", "failed"):
+                # Like verl's max_num_gen_batches: a converged model makes most groups all-equal;
+                # past the patience, keep them (zero advantage) rather than starve the trainer.
+                patience = self.cfg.filter_patience
+                if patience and self._filtered >= patience:
+                    self.metrics.kept_past_patience += 1
+                    reason = None
+                else:
+                    self._filtered += 1
             self.running.pop(group.group_id, None)
             if reason is None:
                 self.ready.append(group)
@@ -293,6 +304,7 @@ class RolloutManager:
             await self._wake_consumer.wait()
         groups = [self.ready.popleft() for _ in range(self.cfg.batch_size)]
         self.consumed_groups += len(groups)
+        self._filtered = 0
         self._notify()
         return groups, self.batch_metrics(groups, time.monotonic() - t0)
 

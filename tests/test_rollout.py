@@ -293,3 +293,18 @@ def test_builtin_rewards_and_config_errors():
         RolloutConfig(oversample=0.5).validate()
     with pytest.raises(ValueError, match="update_policy"):
         RolloutConfig(update_policy="sometimes").validate()
+
+
+def test_filter_patience_keeps_groups_when_every_group_lacks_signal(servers, tokenizer):
+    async def constant(sample):
+        return 1.0                      # every group all-equal: the filter alone would starve the batch
+
+    async def main():
+        m = manager([servers()[0].url], tokenizer, reward=constant, filter_patience=3, max_staleness=8)
+        await m.start()
+        groups, metrics = await m.next_batch()
+        await m.stop()
+        return groups, metrics
+    groups, metrics = run(main())
+    assert len(groups) == 2 and metrics["drops"]["all_equal_rewards"] >= 3
+    assert metrics["kept_past_patience"] >= 2
