@@ -24,7 +24,7 @@ from inference_server.device import choose_device, choose_dtype
 from inference_server.model_runner import make_runner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
-from inference_server.sequence import Sequence, SeqStatus
+from inference_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -98,12 +98,10 @@ def body(model: type[BaseModel]):
 class Server:
     """Turns HTTP requests into engine sequences and engine sequences into SGLang-shaped replies."""
 
-    def __init__(self, engine: Engine, model_path: str, host: str, api_key: str | None):
+    def __init__(self, engine: Engine, model_path: str):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_path = model_path
-        self.host = host
-        self.api_key = api_key
 
     # ---- requests -> sequences ------------------------------------------------------------
     def prompts(self, text, input_ids) -> tuple[list[list[int]], bool]:
@@ -246,7 +244,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
                receiver=None, weights_from_peer: str | None = None, self_url: str | None = None) -> FastAPI:
     """`receiver` (a weight_sync Receiver) adds the /weight_sync/* endpoints; `weights_from_peer`
     makes a cold server ask that live peer to push its weights, and serve only once they landed."""
-    server = Server(engine, model_path, host, api_key)
+    server = Server(engine, model_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):

@@ -2,7 +2,7 @@
 only these dataclasses. Every field has its help text; `validate()` says what to change."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from rollout.config import RolloutConfig
 
@@ -131,10 +131,3 @@ class JobConfig:
             raise ValueError(f"rollout.group_size={self.rollout.group_size}: GRPO needs >= 2 samples per prompt")
         return self
 
-
-def describe(cls, prefix: str = "") -> list[str]:
-    """`field: help` lines of a config dataclass, for error messages and --help."""
-    out = []
-    for fl in fields(cls):
-        out.append(f"{prefix}{fl.name}: {fl.metadata.get('help', '')}")
-    return out

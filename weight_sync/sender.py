@@ -13,7 +13,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable
 
 import torch
 
@@ -58,10 +58,9 @@ class _Peer:
 
 
 def named_tensors(weights) -> dict[str, torch.Tensor]:
+    """A module's state dict, or a mapping / iterable of (name, tensor) as a dict."""
     if isinstance(weights, torch.nn.Module):
         return dict(weights.state_dict(keep_vars=False))
-    if isinstance(weights, Mapping):
-        return dict(weights)
     return dict(weights)
 
 
