@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's, capped at 4096")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill step")
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="CPU device: torch threads of a model step (default: cores - 1, at least 1)")
     p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
@@ -44,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.max_running_requests < 1:
         p.error("--max-running-requests must be >= 1")
+    if a.cpu_threads is not None and a.cpu_threads < 1:
+        p.error("--cpu-threads must be >= 1")
     return a
 
 
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
                                max_running_requests=a.max_running_requests, context_length=a.context_length,
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
-                               weight_version=a.weight_version, load_weights=a.weights_from_peer is None))
+                               weight_version=a.weight_version, cpu_threads=a.cpu_threads,
+                               load_weights=a.weights_from_peer is None))
     receiver = Receiver(engine, functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
                                                   a.weight_sync_protocol, a.weight_sync_device),
                         shadow=a.weight_sync_mode == "shadow")
