@@ -1,6 +1,6 @@
 """Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
 
-    python bench/long_tail.py [--steps 10] [--oversample 2.0] [--max-staleness 2] [--quick]
+    python bench/long_tail.py [--steps 10] [--oversample 2.0] [--max-staleness 4] [--async-inflight 32] [--quick]
 
 One real server (`python -m inference_server`, --max-running-requests 64 --context-length 1200) with a
 tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000; built into a temp dir if absent).
@@ -21,13 +21,16 @@ a and b are calibrated on an untimed warm-up sync batch (other items): a = b * t
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
      Router/ServerClient (same client as the manager), wait for all, train, push, repeat.
- (b) async: RolloutManager (oversample, max_staleness, update_policy, abort_fraction), trainer_version =
+ (b) async: RolloutManager (max_inflight = --async-inflight, oversample, max_staleness, update_policy,
+     abort_fraction), trainer_version =
      the server's version at its start; per step next_batch -> train -> push -> on_weights_updated, while
      the manager keeps generating.
 
 Metrics: samples/s = trained samples / wall (first request to last push); busy ratio = delta of the
 server's stats.busy_seconds / wall; max staleness of any trained sample at consumption
-(`s.staleness(trainer_version)`); samples lost = started, neither trained nor pending after stop();
+(`s.staleness(trainer_version)`); samples lost = started, and neither trained, nor pending after stop(),
+nor in a group the manager dropped and counted (`on_drop`), so it should be 0; samples_dropped_stale =
+samples of groups dropped for breaking the staleness bound (their tokens are the wasted ones);
 tokens wasted fraction = manager tokens_wasted / tokens_generated; tokens_wasted_fraction_server (extra) =
 1 - (trained + pending samples' tokens) / tokens the server generated in (b), independent of the manager's
 counters (they miss the tokens of groups reset by stale_policy=regenerate).
@@ -216,9 +219,14 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
         started.add(sample.uid)
         return await long_tail_rollout(sample, ctx)
 
+    dropped: dict[str, str] = {}                 # sample uid -> why its group was dropped (counted, not lost)
+
+    def on_drop(group, reason):
+        dropped.update((s.uid, reason) for s in group.samples)
+
     router = Router([ServerClient(url, timeout_s=600)])
     m = RolloutManager(cfg, router, PromptSource(items, seed=0, shuffle=False), tokenizer, zero_reward,
-                       rollout_fn=tracked, group_filter=keep_all)
+                       rollout_fn=tracked, group_filter=keep_all, on_drop=on_drop)
     client = router.clients[0]
     s0 = await server_stats(client)
     m.trainer_version = s0["weight_version"]
@@ -268,7 +276,9 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
     # in a trained sample nor kept by a pending one
     server_gen = s2["generation_tokens"] - s0["generation_tokens"]
     kept = tokens + sum(s.num_generated for s in pending_samples)
-    lost = started - trained_uids - pending
+    # lost: started, and neither trained, nor still held by the manager, nor dropped and counted
+    lost = started - trained_uids - pending - set(dropped)
+    dropped_started = {u for u in dropped if u in started}
     mt = m.metrics
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
             "staleness_hist": dict(sorted(hist.items())),
@@ -277,6 +287,7 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
             "server_tokens": s1["generation_tokens"] - s0["generation_tokens"],
             "server_prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
             "train_s": trainer.train_s, "push_s": trainer.push_s, "samples_lost": len(lost),
+            "samples_dropped": len(dropped_started),
             "samples_started": len(started), "samples_pending": len(pending & started),
             "tokens_generated": mt.tokens_generated, "tokens_wasted": mt.tokens_wasted,
             "tokens_aborted": mt.tokens_aborted, "server_gen_total": server_gen, "tokens_kept": kept,
@@ -300,7 +311,8 @@ async def bench(args, url, path) -> dict:
     common = dict(group_size=args.group_size, batch_size=args.batch_size, max_inflight=args.max_running,
                   max_new_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, seed=args.seed)
     sync_cfg = RolloutConfig(**common, oversample=1.0, max_staleness=0, update_policy="continue").validate()
-    async_cfg = RolloutConfig(**common, oversample=args.oversample, max_staleness=args.max_staleness,
+    async_cfg = RolloutConfig(**{**common, "max_inflight": args.async_inflight or args.max_running},
+                              oversample=args.oversample, max_staleness=args.max_staleness,
                               update_policy=args.update_policy, abort_fraction=args.abort_fraction,
                               stale_policy=args.stale_policy).validate()
     n_items = (args.steps * 4 + 8) * args.batch_size
@@ -345,6 +357,7 @@ async def bench(args, url, path) -> dict:
         "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
         "staleness_bound": async_cfg.max_staleness,
         "samples_lost": asyn["samples_lost"],
+        "samples_dropped_stale": asyn["samples_dropped"],
         "tokens_wasted_fraction": round(asyn["tokens_wasted"] / max(asyn["tokens_generated"], 1), 4),
         "tokens_wasted_fraction_server": round(1 - asyn["tokens_kept"] / max(asyn["server_gen_total"], 1), 4),
         # extras
@@ -369,7 +382,7 @@ async def bench(args, url, path) -> dict:
         "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),
         "warmup_batch_s": round(batch_s, 2), "warmup_median_sample_s": round(median_s, 2),
         "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
-        "oversample": args.oversample, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
+        "oversample": args.oversample, "async_inflight": async_cfg.max_inflight, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
         "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
     }
 
@@ -380,10 +393,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="groups per training batch")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-running", type=int, default=64, help="server --max-running-requests and max_inflight")
+    p.add_argument("--async-inflight", type=int, default=32,
+                   help="max_inflight of (b): fewer requests at once age less per token (versions a sample "
+                        "spans ~ length * inflight / tokens per batch); 0: --max-running")
     p.add_argument("--median-tokens", type=float, default=64.0)
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--oversample", type=float, default=2.0)
-    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
     p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])

@@ -31,10 +31,29 @@ class SlotKVCache:
         # [batch, kv_heads, length, head_dim], strided views: no copy
         return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, :length]
 
-    def row(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # [kv_heads, length, head_dim] of one slot
-        return self.k[layer, slot, :, :length], self.v[layer, slot, :, :length]
+    def rows(self, layer: int, start: int, end: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # [end - start, kv_heads, length, head_dim] of slots [start, end), strided views: no copy
+        return self.k[layer, start:end, :, :length], self.v[layer, start:end, :, :length]
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+    def permute(self, order: list[int], lengths: list[int]) -> None:
+        """New slot i takes old slot order[i]; `lengths[j]`: valid positions of old slot j. Follows
+        the permutation's cycles, so each moved slot is copied once (one spare copy per cycle)."""
+        done = [False] * len(order)
+        for first in range(len(order)):
+            if done[first] or order[first] == first:
+                continue
+            spare = (self.k[:, first, :, :lengths[first]].clone(), self.v[:, first, :, :lengths[first]].clone())
+            dst = first
+            while True:
+                done[dst] = True
+                src = order[dst]
+                if src == first:
+                    n = lengths[first]
+                    self.k[:, dst, :, :n], self.v[:, dst, :, :n] = spare
+                    break
+                self.move(src, dst, lengths[src])
+                dst = src

@@ -15,6 +15,43 @@ from inference_server.sequence import Sequence
 
 _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
+# What one attention call costs beyond its data, in key positions of one row (measured on CPU: a
+# decode-attention call has ~20-40 us of fixed cost, a key position ~0.13 us).
+CALL_COST = 256
+
+
+def plan_chunks(lengths: list[int], call_cost: int = CALL_COST) -> list[tuple[int, int, int]]:
+    """Split decode rows (in slot order) into contiguous chunks `(start, end, longest)`, each run as
+    one attention call padded to its longest row, minimising padded key positions plus call
+    overheads (exact, by dynamic programming over the cut points: O(rows^2), rows <= a few hundred).
+    On length-sorted slots that gives a few chunks with little padding, where one padded call would
+    read every row to the longest and per-row calls would pay the fixed cost once per row and layer."""
+    n = len(lengths)
+    best, cut = [0] + [0] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest, best_j, cut_j = 0, None, 0
+        for i in range(j - 1, -1, -1):
+            longest = max(longest, lengths[i])
+            if best_j is not None and (j - i) * longest >= best_j:
+                break                                   # longer chunks only cost more from here
+            c = best[i] + (j - i) * longest + call_cost
+            if best_j is None or c < best_j:
+                best_j, cut_j = c, i
+        best[j], cut[j] = best_j, cut_j
+    chunks, j = [], n
+    while j > 0:
+        i = cut[j]
+        chunks.append((i, j, max(lengths[i:j])))
+        j = i
+    return chunks[::-1]
+
+
+def chunk_cost(lengths: list[int], call_cost: int = CALL_COST) -> int:
+    """Key positions read (padding included) plus call overheads of `plan_chunks(lengths)`."""
+    if not lengths:
+        return 0
+    return sum((end - start) * longest + call_cost for start, end, longest in plan_chunks(lengths, call_cost))
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -45,6 +82,8 @@ class DecoderRunner:
         self.device = param.device
         self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
                               self.head_dim, param.dtype, param.device)
+        self._plan_key: tuple = ()
+        self._cuts: list[tuple[int, int]] = []
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.decoder.rotary_emb(x, positions[None])
@@ -88,29 +127,26 @@ class DecoderRunner:
         tokens = torch.tensor(ids, device=self.device)
         positions = torch.tensor(pos, device=self.device)
         if b:
-            length = max(pos[:b]) + 1
             dec_pos = positions[:b]
-            # One batched attention pads every row to the longest; with a long tail (one row at
-            # 1000 tokens, the rest at 100) per-row attention over each row's own length is cheaper.
-            per_row = b > 1 and length > 2 * (sum(pos[:b]) / b + 1)
-            if not per_row:
-                mask = (torch.arange(length, device=self.device)[None, :] <= dec_pos[:, None])[:, None, None, :]
+            chunks = []                              # (start, end, longest, additive mask or None)
+            for start, end, longest in self._plan(decode, pos[:b]):
+                mask = None
+                if any(p + 1 != longest for p in pos[start:end]):
+                    valid = torch.arange(longest, device=self.device)[None, :] <= dec_pos[start:end, None]
+                    mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
+                    mask.masked_fill_(~valid, float("-inf"))
+                    mask = mask[:, None, None, :]
+                chunks.append((start, end, longest, mask))
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
             if b:
                 self.kv.write_decode(layer, dec_pos, k[:b], v[:b])
-                if per_row:
-                    for row in range(b):
-                        ks, vs = self.kv.row(layer, row, pos[row] + 1)
-                        o = F.scaled_dot_product_attention(q[row, :, None, :][None], ks[None], vs[None],
-                                                           scale=self.scaling, enable_gqa=True)
-                        out[row] = o[0, :, 0, :]
-                else:
-                    ks, vs = self.kv.view(layer, b, length)
-                    o = F.scaled_dot_product_attention(q[:b, :, None, :], ks, vs, attn_mask=mask,
+                for start, end, longest, mask in chunks:
+                    ks, vs = self.kv.rows(layer, start, end, longest)
+                    o = F.scaled_dot_product_attention(q[start:end, :, None, :], ks, vs, attn_mask=mask,
                                                        scale=self.scaling, enable_gqa=True)
-                    out[:b] = o[:, :, 0, :]
+                    out[start:end] = o[:, :, 0, :]
             for s, start, n in spans:
                 qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
                 self.kv.write_prefill(layer, s.slot, ks, vs)
@@ -123,11 +159,26 @@ class DecoderRunner:
         rows = list(range(b)) + [start + n - 1 for _, start, n in spans]
         return self._logits(x[torch.tensor(rows, device=self.device)] if spans else x)
 
+    def _plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
+        """plan_chunks for this step. Every running row grows by one token a step, so the cut points
+        stay right until the batch changes: they are recomputed only then."""
+        key = tuple(id(s) for s in decode)
+        if key != self._plan_key:
+            self._plan_key = key
+            self._cuts = [(start, end) for start, end, _ in plan_chunks([p + 1 for p in pos])]
+        return [(start, end, max(pos[start:end]) + 1) for start, end in self._cuts]
+
     def move(self, src: int, dst: int, length: int) -> None:
         self.kv.move(src, dst, length)
 
     def release(self, seq: Sequence) -> None:
         pass
+
+    sorts_slots = True      # decode attention is cheapest with slots in length order (plan_chunks)
+
+    def reorder(self, order: list[int], lengths: list[int]) -> None:
+        """Permute KV slots: new slot i takes old slot order[i] (`lengths` by old slot)."""
+        self.kv.permute(order, lengths)
 
 
 class GenericRunner:

@@ -59,6 +59,12 @@ class Scheduler:
         self.running[hole], last.slot = last, hole
         return len(self.running), hole
 
+    def reorder(self, order: list[int]) -> None:
+        """Running sequence i becomes the one at order[i] (the caller permutes the KV cache alike)."""
+        self.running = [self.running[j] for j in order]
+        for slot, seq in enumerate(self.running):
+            seq.slot = slot
+
     def find(self, rid: str) -> list[Sequence]:
         return [s for s in (*self.running, *self.waiting) if s.matches(rid)]
 

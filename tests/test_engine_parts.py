@@ -1,6 +1,8 @@
-"""Scheduler (no torch) and sampler on their own."""
+"""Scheduler (no torch), decode-attention planning, KV slot permutation and sampler on their own."""
 import torch
 
+from inference_server.kv_cache import SlotKVCache
+from inference_server.model_runner import CALL_COST, chunk_cost, plan_chunks
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import SamplingParams, Sequence, SeqStatus
@@ -34,6 +36,44 @@ def test_scheduler_prefill_budget_and_retract():
     assert a.status is SeqStatus.WAITING and a.slot is None and a.num_retractions == 1
     s.paused = True
     assert s.schedule() == ([], []) and not s.has_work
+
+
+def test_attention_chunks_follow_lengths():
+    # equal rows share one call; a long row among short ones gets its own instead of padding all
+    assert plan_chunks([50] * 8) == [(0, 8, 50)]
+    assert plan_chunks([900, 40, 40, 40]) == [(0, 1, 900), (1, 4, 40)]
+    ragged = [17, 900, 33, 410, 64, 12, 700, 150]
+    ordered = sorted(ragged, reverse=True)
+    chunks = plan_chunks(ordered)
+    assert chunks[0][0] == 0 and chunks[-1][1] == len(ordered) and 1 < len(chunks) < len(ordered)
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))          # contiguous, covering all rows
+    assert all(c[2] == max(ordered[c[0]:c[1]]) for c in chunks)
+    # sorted slots cost less than the same rows in arrival order, and less than one padded call
+    assert chunk_cost(ordered) < chunk_cost(ragged) and chunk_cost(ordered) < 8 * 900 + CALL_COST
+
+
+def test_kv_permute_moves_each_slot_with_its_length():
+    kv = SlotKVCache(num_layers=2, num_slots=5, num_kv_heads=1, context_length=8, head_dim=2,
+                     dtype=torch.float32, device=torch.device("cpu"))
+    lengths = [3, 8, 1, 5, 2]
+    for slot, n in enumerate(lengths):
+        kv.k[:, slot, :, :n] = slot + 1
+        kv.v[:, slot, :, :n] = -(slot + 1)
+    order = [1, 3, 0, 4, 2]            # new slot i <- old slot order[i]: the cycle 0<-1<-3<-4<-2<-0
+    kv.permute(order, lengths)
+    for new, old in enumerate(order):
+        n = lengths[old]
+        assert torch.all(kv.k[:, new, :, :n] == old + 1) and torch.all(kv.v[:, new, :, :n] == -(old + 1))
+
+
+def test_scheduler_reorder_renumbers_slots():
+    s = Scheduler(max_running=4, max_prefill_tokens=100, context_length=64)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for x in (a, b, c):
+        s.add(x)
+    s.schedule()
+    s.reorder([2, 0, 1])
+    assert s.running == [c, a, b] and [x.slot for x in (c, a, b)] == [0, 1, 2]
 
 
 def test_sampler_truncation_and_seed():

@@ -167,6 +167,69 @@ def test_staleness_bound_at_admission(servers, tokenizer, tiny_model):
     assert all(g.group_id != "g-old" for g in groups)
 
 
+def test_groups_past_the_bound_stop_generating_at_once(servers, tokenizer, tiny_model):
+    """A version lands that puts running groups past max_staleness: their requests are aborted
+    then, not generated to the end and thrown away, and the groups count as stale drops."""
+    import httpx
+    url = servers()[0].url
+    old = int(httpx.get(f"{url}/get_weight_version").json()["weight_version"])
+
+    async def main():
+        m = manager([url], tokenizer, max_new_tokens=1000, max_staleness=1, update_policy="continue",
+                    batch_size=1, oversample=2.0)
+        m.trainer_version = old
+        await m.start()
+        while len(m.inflight) < 8:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)                # every request has some tokens at version `old`
+        r = await asyncio.to_thread(httpx.post, f"{url}/update_weights_from_disk",
+                                    json={"model_path": tiny_model, "weight_version": old + 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        await m.on_weights_updated(old + 2, wait=True)
+        while m.metrics.drops["stale"] < 2:
+            await asyncio.sleep(0.01)
+        await m.stop()
+        return m
+    m = run(main())
+    assert m.metrics.requests_doomed >= 8
+    # the 8 doomed samples stopped far short of their 1000-token budget
+    assert m.metrics.tokens_wasted < 2 * 4 * 1000 // 2
+    assert m.metrics.tokens_resumed == 0         # nothing of theirs was resumed
+
+
+def test_a_config_the_server_refuses_stops_the_run_with_its_reason(servers, tokenizer):
+    async def main():
+        m = manager([servers()[0].url], tokenizer, max_new_tokens=5000)   # the server's context is 1024
+        await m.start()
+        with pytest.raises(RuntimeError, match="max_new_tokens.*5000.*context length 1024"):
+            await m.next_batch()
+        await m.stop()
+        return m.state_dict()
+    state = run(main())
+    # nothing churned through the data: the groups that were started are kept, none failed
+    assert state["groups"] and len(state["groups"]) == state["data"]["cursor"] and not state["metrics"]["drops"]
+    assert all(s["status"] == "pending" for g in state["groups"] for s in g["samples"])
+
+
+def test_request_slots_go_to_the_oldest_sample_first():
+    from rollout.manager import _Slots
+
+    async def main():
+        slots, order = _Slots(1), []
+        await slots.acquire((0,))
+
+        async def want(key):
+            async with slots.take(key):
+                order.append(key)
+        tasks = [asyncio.create_task(want(k)) for k in [(7,), (3,), (5,), (3,)]]
+        await asyncio.sleep(0.01)
+        slots.release()
+        await asyncio.gather(*tasks)
+        return order, slots.free
+    order, free = run(main())
+    assert order == [(3,), (3,), (5,), (7,)] and free == 1
+
+
 def test_multi_turn_function_with_a_toy_tool(servers, tokenizer):
     tool_ids = tokenizer("<tool>42</tool>", add_special_tokens=False).input_ids
 
