@@ -60,7 +60,11 @@ def log(msg: str) -> None:
     print(f"[long_tail {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def model_dir() -> Path:
+def model_dir(hidden: int | None = None, layers: int | None = None) -> Path:
+    if hidden:
+        MODEL.update(hidden=hidden, heads=max(1, hidden // 64), kv_heads=max(1, hidden // 128))
+    if layers:
+        MODEL.update(layers=layers)
     tag = "_".join(f"{k}{v}" for k, v in MODEL.items())
     path = Path(tempfile.gettempdir()) / f"riptide_bench_long_tail_{tag}"
     if not (path / "config.json").exists() or not any(path.glob("*.safetensors")):
@@ -383,7 +387,7 @@ async def bench(args, url, path) -> dict:
         "warmup_batch_s": round(batch_s, 2), "warmup_median_sample_s": round(median_s, 2),
         "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
         "oversample": args.oversample, "async_inflight": async_cfg.max_inflight, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
-        "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
+        "model": dict(MODEL), "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
     }
 
 
@@ -409,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train-b", type=float, default=None)
     p.add_argument("--bucket-bytes", type=int, default=8 << 20)
     p.add_argument("--no-align-capacity", dest="align_capacity", action="store_false")
+    p.add_argument("--hidden", type=int, default=None, help="model width (default 256; heads = hidden/64)")
+    p.add_argument("--layers", type=int, default=None, help="model depth (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 steps, batch 8")
     p.add_argument("--server-log", default=None)
@@ -422,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
         args.steps, args.batch_size = 4, 8
 
     from inference_server.process import ServerProcess
-    path = model_dir()
+    path = model_dir(args.hidden, args.layers)
     server_args = ["--max-running-requests", str(args.max_running), "--context-length", "1200"]
     t = time.monotonic()
     with ServerProcess(path, args=server_args, log_path=args.server_log) as srv:

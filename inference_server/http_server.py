@@ -46,6 +46,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Gate:
+    """Refuses requests before they reach a route (see `gate` in create_app). Plain ASGI: Starlette's
+    BaseHTTPMiddleware would pipe every response through a memory stream, on the engine's GIL."""
+
+    def __init__(self, app, gate):
+        self.app, self.gate = app, gate
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            auth = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+            refusal = self.gate(scope["path"], auth)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class BadRequest(ValueError):
     """A request the server understood but cannot serve; the message names the field."""
 
@@ -263,16 +280,20 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
     if admin_locked:
         log.warning("listening on %s without --api-key: admin endpoints are refused", host)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
+    def gate(path: str, authorization: str | None) -> JSONResponse | None:
+        """The refusal for a request, if any: bearer token, admin paths off loopback, cold start."""
+        if api_key is not None and authorization != f"Bearer {api_key}":
             return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <api-key>)"},
                                 status_code=401)
         if admin_locked and (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)):
             return JSONResponse({"error": f"{path} is an admin endpoint: start the server with --api-key "
                                           f"to use it on a non-loopback address ({host})"}, status_code=403)
-        return await call_next(request)
+        if not engine.has_weights and not path.startswith(("/weight_sync/", "/get_", "/metrics")):
+            return JSONResponse({"error": f"no weights yet: waiting for {weights_from_peer} to push them"},
+                                status_code=503)
+        return None
+
+    app.add_middleware(_Gate, gate=gate)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
@@ -292,13 +313,6 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
     async def _crash(request: Request, exc: Exception):
         log.exception("%s failed", request.url.path)
         return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-
-    @app.middleware("http")
-    async def _cold(request: Request, call_next):
-        if not engine.has_weights and not request.url.path.startswith(("/weight_sync/", "/get_", "/metrics")):
-            return JSONResponse({"error": f"no weights yet: waiting for {weights_from_peer} to push them"},
-                                status_code=503)
-        return await call_next(request)
 
     # ---- generation -----------------------------------------------------------------------
     @app.post("/generate")
