@@ -122,8 +122,11 @@ async def _metrics(client) -> dict[str, float]:
     return out
 
 
-def bench_riptide(model_dir, prompts, max_new, concurrency: int, profile: str | None, subset: int = 0) -> dict:
-    extra = ("--max-running-requests", str(concurrency), "--context-length", "1024")
+def bench_riptide(model_dir, prompts, max_new, concurrency: int, profile: str | None, subset: int = 0,
+                  threads: int = 2) -> dict:
+    # the same torch thread count as the baselines (the server's own default is cores - 1, which
+    # leaves a core to a co-located rollout client; this client is light)
+    extra = ("--max-running-requests", str(concurrency), "--context-length", "1024", "--cpu-threads", str(threads))
     with riptide_server(model_dir, *extra) as (url, proc):
         log(f"(a) server up at {url} (pid {proc.pid}); {len(prompts)} requests, {concurrency} in flight")
         spy = None
@@ -371,7 +374,8 @@ def main() -> None:
 
     if "riptide" not in skip:
         cb_subset = 0 if "hf_cb" in skip else args.hf_cb_requests
-        result |= bench_riptide(model_dir, prompts, max_new, args.concurrency, args.profile_server, cb_subset)
+        result |= bench_riptide(model_dir, prompts, max_new, args.concurrency, args.profile_server, cb_subset,
+                                args.threads)
         log(f"(a) riptide {result['riptide_tok_s']:.0f} tok/s in {result['riptide_wall_s']:.1f} s")
 
     from transformers import AutoModelForCausalLM

@@ -87,15 +87,18 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-def cpu_threads(requested: int | None) -> int:
+def cpu_threads(requested: int | None) -> int | None:
     """Intra-op threads for CPU steps. By default one core fewer than the process may use: the HTTP
     thread, the weight-sync receiver and a co-located rollout client need a core, and an OpenMP team
     that has to share its cores with them stalls at every barrier (measured on 2 cores with one busy
-    neighbour process: a 64-row decode step took 84 ms with 2 threads, 23 ms with 1; alone, 24 and 27 ms)."""
+    neighbour process: a 64-row decode step took 84 ms with 2 threads, 23 ms with 1; alone, 24 and 27 ms).
+    None (leave torch's setting) when OMP_NUM_THREADS is set."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {requested}")
         return requested
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None                      # the user's explicit setting, which torch already follows
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores - 1)
 

@@ -28,7 +28,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: the model's, capped at 4096")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill step")
     p.add_argument("--cpu-threads", type=int, default=None,
-                   help="CPU device: torch threads of a model step (default: cores - 1, at least 1)")
+                   help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")
     p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
