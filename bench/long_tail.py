@@ -205,6 +205,7 @@ async def run_sync(url, tokenizer, items, cfg, trainer, steps):
         await router.close()
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
             "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "gen_s": gen_s, "train_s": trainer.train_s,
+            "server_steps": s1["steps"] - s0["steps"], "server_tokens": s1["generation_tokens"] - s0["generation_tokens"],
             "push_s": trainer.push_s, "per_step": per_step,
             "mean_len": tokens / trained, "server_version_end": s1["weight_version"]}
 
@@ -287,6 +288,7 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
             "staleness_hist": dict(sorted(hist.items())),
             "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "trainer_wait_s": wait_s,
+            "server_steps": s1["steps"] - s0["steps"],
             "server_aborted": s1["aborted_requests"] - s0["aborted_requests"],
             "server_tokens": s1["generation_tokens"] - s0["generation_tokens"],
             "server_prompt_tokens": s1["prompt_tokens"] - s0["prompt_tokens"],
@@ -376,6 +378,11 @@ async def bench(args, url, path) -> dict:
         "sync_push_s": round(sync["push_s"], 1), "async_train_s": round(asyn["train_s"], 1),
         "async_push_s": round(asyn["push_s"], 1), "async_trainer_wait_s": round(asyn["trainer_wait_s"], 1),
         "push_median_s": round(push_med, 3),
+        # the server's own view: mean rows per step and mean step time (busy seconds / steps)
+        "sync_rows_per_step": round(sync["server_tokens"] / max(sync["server_steps"], 1), 1),
+        "sync_step_ms": round(1000 * sync["busy_s"] / max(sync["server_steps"], 1), 2),
+        "async_rows_per_step": round(asyn["server_tokens"] / max(asyn["server_steps"], 1), 1),
+        "async_step_ms": round(1000 * asyn["busy_s"] / max(asyn["server_steps"], 1), 2),
         "staleness_hist": asyn["staleness_hist"], "drops": asyn["drops"], "stale_dropped": asyn["stale_dropped"],
         "samples_started": asyn["samples_started"], "samples_pending": asyn["samples_pending"],
         "tokens_aborted": asyn["tokens_aborted"], "server_aborted": asyn["server_aborted"],

@@ -48,6 +48,7 @@ class EngineArgs:
     weight_version: int = 0
     load_weights: bool = True              # False: build from config; weights arrive from a peer (version -1)
     cpu_threads: int | None = None         # CPU device: intra-op threads of a step (None: cores - 1)
+    cpu_split: bool = True                 # CPU, 1 thread a step, >= 2 cores: big steps run as two halves
 
 
 @dataclass
@@ -99,8 +100,11 @@ def cpu_threads(requested: int | None) -> int | None:
         return requested
     if os.environ.get("OMP_NUM_THREADS"):
         return None                      # the user's explicit setting, which torch already follows
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return max(1, _cores() - 1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class Engine:
@@ -115,6 +119,8 @@ class Engine:
         self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.cpu_threads = cpu_threads(args.cpu_threads) if self.device.type == "cpu" else None
         self.runner = make_runner(self.model, args.max_running_requests, self.context_length)
+        if (args.cpu_split and self.cpu_threads == 1 and _cores() >= 2 and hasattr(self.runner, "enable_split")):
+            self.runner.enable_split(threads=1)
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1

@@ -21,9 +21,10 @@ class SlotKVCache:
         self.k[layer, slot, :, :n] = k
         self.v[layer, slot, :, :n] = v
 
-    def write_decode(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: [batch, kv_heads, head_dim]; batch row b lives in slot b
-        rows = torch.arange(k.shape[0], device=k.device)
+    def write_decode(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     first_slot: int = 0) -> None:
+        # k, v: [batch, kv_heads, head_dim]; batch row b lives in slot first_slot + b
+        rows = torch.arange(first_slot, first_slot + k.shape[0], device=k.device)
         self.k[layer, rows, :, positions] = k
         self.v[layer, rows, :, positions] = v
 

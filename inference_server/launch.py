@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill step")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")
+    p.add_argument("--no-cpu-split", dest="cpu_split", action="store_false",
+                   help="CPU with one torch thread a step: do not run big steps as two halves on two threads")
     p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
                                max_running_requests=a.max_running_requests, context_length=a.context_length,
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
-                               weight_version=a.weight_version, cpu_threads=a.cpu_threads,
+                               weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                                load_weights=a.weights_from_peer is None))
     receiver = Receiver(engine, functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
                                                   a.weight_sync_protocol, a.weight_sync_device),

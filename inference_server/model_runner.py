@@ -83,6 +83,8 @@ class DecoderRunner:
         self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
                               self.head_dim, param.dtype, param.device)
         self._plan_key: tuple = ()
+        self._helper = None                          # enable_split()
+        self.split_min_rows = 0
         self._cuts: list[tuple[int, int]] = []
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +117,42 @@ class DecoderRunner:
     def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         """One step: a token for each decoding sequence (`decode[b]` owns slot b) and the whole
         prompt (prompt + any output so far) of each newcomer, in one pass through the layers.
-        Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order."""
+        Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order.
+
+        With a helper thread (`split`), a large step runs as two halves of the rows, one per thread,
+        each an ordinary single-threaded pass: on a CPU whose second core is shared with the HTTP
+        thread and a rollout client, the half-step picks up whatever that core has free, with none of
+        an OpenMP team's barrier stalls when it has none."""
+        b = len(decode)
+        pos = [s.num_tokens - 1 for s in decode]
+        chunks = self._plan(decode, pos)
+        if self._helper is None or b < self.split_min_rows:
+            return self._part(decode, 0, chunks, prefill)
+        # cut the rows where the work (rows and padded key positions) halves; a chunk that spans
+        # the cut becomes two, each padded only to its own longest row
+        work, acc, mid = [], 0, 1
+        for start, end, longest in chunks:
+            work += [longest + 64] * (end - start)
+        half = sum(work) / 2
+        for i, w in enumerate(work[:-1]):
+            acc += w
+            mid = i + 1
+            if acc >= half:
+                break
+
+        def part(lo: int, hi: int) -> list[tuple[int, int, int]]:
+            return [(max(a, lo), min(e, hi), max(pos[max(a, lo):min(e, hi)]) + 1)
+                    for a, e, _ in chunks if a < hi and e > lo]
+        first = self._helper.submit(self._part_in_helper, decode[:mid], 0, part(0, mid), [])
+        second = self._part(decode[mid:], mid, part(mid, b), prefill)
+        return torch.cat([first.result(), second])
+
+    def _part_in_helper(self, *args) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._part(*args)
+
+    def _part(self, decode: list[Sequence], slot0: int, chunks, prefill: list[Sequence]) -> torch.Tensor:
+        """Decode rows `decode` (slots slot0 ...; `chunks` in absolute slots) plus the newcomers."""
         b = len(decode)
         ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
         pos = [s.num_tokens - 1 for s in decode]
@@ -128,22 +165,23 @@ class DecoderRunner:
         positions = torch.tensor(pos, device=self.device)
         if b:
             dec_pos = positions[:b]
-            chunks = []                              # (start, end, longest, additive mask or None)
-            for start, end, longest in self._plan(decode, pos[:b]):
+            planned = []                             # (start, end, longest, additive mask or None), part rows
+            for start, end, longest in chunks:
+                start, end = start - slot0, end - slot0
                 mask = None
                 if any(p + 1 != longest for p in pos[start:end]):
                     valid = torch.arange(longest, device=self.device)[None, :] <= dec_pos[start:end, None]
                     mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
                     mask.masked_fill_(~valid, float("-inf"))
                     mask = mask[:, None, None, :]
-                chunks.append((start, end, longest, mask))
+                planned.append((start, end, longest, mask))
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
             if b:
-                self.kv.write_decode(layer, dec_pos, k[:b], v[:b])
-                for start, end, longest, mask in chunks:
-                    ks, vs = self.kv.rows(layer, start, end, longest)
+                self.kv.write_decode(layer, dec_pos, k[:b], v[:b], first_slot=slot0)
+                for start, end, longest, mask in planned:
+                    ks, vs = self.kv.rows(layer, slot0 + start, slot0 + end, longest)
                     o = F.scaled_dot_product_attention(q[start:end, :, None, :], ks, vs, attn_mask=mask,
                                                        scale=self.scaling, enable_gqa=True)
                     out[start:end] = o[:, :, 0, :]
@@ -158,6 +196,13 @@ class DecoderRunner:
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
         rows = list(range(b)) + [start + n - 1 for _, start, n in spans]
         return self._logits(x[torch.tensor(rows, device=self.device)] if spans else x)
+
+    def enable_split(self, threads: int, min_rows: int = 16) -> None:
+        """Run steps of at least `min_rows` decode rows as two halves, one on a helper thread."""
+        import concurrent.futures
+        self.split_min_rows = min_rows
+        self._helper = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="riptide-step-half", initializer=torch.set_num_threads, initargs=(threads,))
 
     def _plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
         """plan_chunks for this step. Every running row grows by one token a step, so the cut points

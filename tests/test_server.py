@@ -80,9 +80,11 @@ def test_logprobs_match_transformers(server, hf_model, temperature):
 def test_greedy_equals_transformers_generate(server, hf_model):
     # ragged lengths and staggered ends: decode attention runs in length chunks over slots that get
     # re-sorted as sequences join and leave (moves and permutations of the KV cache)
+    # (20 rows: on a CPU server with one torch thread, big steps also run as two halves on two threads)
     prompts = [[21, 22, 23], list(range(300, 360)), [42, 43], list(range(500, 900)), list(range(40, 52)),
                list(range(1000, 1130)), [7, 8, 9, 10], list(range(60, 260))]
-    budgets = [20, 6, 14, 20, 3, 11, 17, 8]
+    prompts += [list(range(100 + 7 * i, 100 + 7 * i + 5 + 37 * (i % 5))) for i in range(12)]
+    budgets = [20, 6, 14, 20, 3, 11, 17, 8] + [4 + (5 * i) % 17 for i in range(12)]
     outs = generate(server, input_ids=prompts, sampling_params=[
         {"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in budgets])
     for prompt, n, out in zip(prompts, budgets, outs):
