@@ -221,6 +221,8 @@ class Engine:
         if not getattr(self.runner, "sorts_slots", False) or len(running) < 3:
             return
         lengths = [s.num_tokens for s in running]
+        if all(a >= b for a, b in zip(lengths, lengths[1:])):
+            return                              # already longest-first
         order = sorted(range(len(running)), key=lambda i: -lengths[i])
         now, best = chunk_cost(lengths), chunk_cost([lengths[i] for i in order])
         # a reorder copies the moved slots once; it pays off within a few steps when the gain is real

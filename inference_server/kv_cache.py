@@ -28,10 +28,6 @@ class SlotKVCache:
         self.k[layer, rows, :, positions] = k
         self.v[layer, rows, :, positions] = v
 
-    def view(self, layer: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # [batch, kv_heads, length, head_dim], strided views: no copy
-        return self.k[layer, :batch, :, :length], self.v[layer, :batch, :, :length]
-
     def rows(self, layer: int, start: int, end: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         # [end - start, kv_heads, length, head_dim] of slots [start, end), strided views: no copy
         return self.k[layer, start:end, :, :length], self.v[layer, start:end, :, :length]

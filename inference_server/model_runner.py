@@ -127,7 +127,7 @@ class DecoderRunner:
         pos = [s.num_tokens - 1 for s in decode]
         chunks = self._plan(decode, pos)
         if self._helper is None or b < self.split_min_rows:
-            return self._part(decode, 0, chunks, prefill)
+            return self._part(decode, pos, 0, chunks, prefill)
         # cut the rows where the work (rows and padded key positions) halves; a chunk that spans
         # the cut becomes two, each padded only to its own longest row
         work, acc, mid = [], 0, 1
@@ -143,19 +143,21 @@ class DecoderRunner:
         def part(lo: int, hi: int) -> list[tuple[int, int, int]]:
             return [(max(a, lo), min(e, hi), max(pos[max(a, lo):min(e, hi)]) + 1)
                     for a, e, _ in chunks if a < hi and e > lo]
-        first = self._helper.submit(self._part_in_helper, decode[:mid], 0, part(0, mid), [])
-        second = self._part(decode[mid:], mid, part(mid, b), prefill)
+        first = self._helper.submit(self._part_in_helper, decode[:mid], pos[:mid], 0, part(0, mid), [])
+        second = self._part(decode[mid:], pos[mid:], mid, part(mid, b), prefill)
         return torch.cat([first.result(), second])
 
     def _part_in_helper(self, *args) -> torch.Tensor:
         with torch.inference_mode():
             return self._part(*args)
 
-    def _part(self, decode: list[Sequence], slot0: int, chunks, prefill: list[Sequence]) -> torch.Tensor:
-        """Decode rows `decode` (slots slot0 ...; `chunks` in absolute slots) plus the newcomers."""
+    def _part(self, decode: list[Sequence], pos: list[int], slot0: int, chunks,
+              prefill: list[Sequence]) -> torch.Tensor:
+        """Decode rows `decode` at positions `pos` (slots slot0 ...; `chunks` in absolute slots)
+        plus the newcomers."""
         b = len(decode)
         ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
-        pos = [s.num_tokens - 1 for s in decode]
+        pos = list(pos)                              # extended below by the newcomers' positions
         spans = []                                   # (seq, first row, length) of each newcomer
         for s in prefill:
             spans.append((s, len(ids), s.num_tokens))
