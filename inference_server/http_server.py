@@ -186,10 +186,12 @@ class Server:
         return seqs, flags, batch or len(seqs) > 1
 
     # ---- sequences -> replies -------------------------------------------------------------
-    def output(self, seq: Sequence, n: int, return_logprob: bool) -> dict:
+    def output(self, seq: Sequence, n: int, return_logprob: bool, finished: bool | None = None) -> dict:
+        """The reply for `seq`'s first n tokens. A stream passes `finished` as its event saw it: the
+        engine thread may have finished the sequence since, and that must not show on an earlier event."""
         ids = seq.output_ids[:n]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        reason = seq.finish_reason if seq.finished else None
+        reason = seq.finish_reason if (seq.finished if finished is None else finished) else None
         if reason and reason["type"] == "stop" and isinstance(reason.get("matched"), str):
             cut = text.find(reason["matched"])
             text = text[:cut] if cut >= 0 else text
@@ -238,7 +240,7 @@ class Server:
             while pending:
                 i, n, finished = await events.get()
                 pending -= finished
-                out = self.output(seqs[i], n, flags[i])
+                out = self.output(seqs[i], n, flags[i], finished)
                 if batch:
                     out["index"] = i
                 yield f"data: {json.dumps(out)}\n\n"
