@@ -169,8 +169,7 @@ class Engine:
             s.prefill_version = self.version
         self._slots_dirty = self._slots_dirty or bool(prefill)
         self.stats.prompt_tokens += sum(s.num_tokens for s in prefill)
-        logits = self.runner.forward(decode, prefill)
-        tokens, logprobs = self.sampler(logits, seqs)
+        tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
         self._postprocess(seqs, tokens, logprobs)
         self.stats.steps += 1
         self.stats.generation_tokens += len(seqs)

@@ -7,6 +7,8 @@ cache. `GenericRunner` serves any other causal LM through its own forward, one s
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -18,6 +20,10 @@ _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 # What one attention call costs beyond its data, in key positions of one row (measured on CPU: a
 # decode-attention call has ~20-40 us of fixed cost, a key position ~0.13 us).
 CALL_COST = 256
+# Where a split step cuts its rows, in the same units: a decode row's work beyond its key positions,
+# and a prefill token's (rough CPU figures for a tiny decoder: a prefill token costs about as much
+# as 200 key positions of decode attention). The runner's learnt share corrects them step by step.
+ROW_WORK, PREFILL_WORK = 64, 200
 
 
 def plan_chunks(lengths: list[int], call_cost: int = CALL_COST) -> list[tuple[int, int, int]]:
@@ -85,6 +91,7 @@ class DecoderRunner:
         self._plan_key: tuple = ()
         self._helper = None                          # enable_split()
         self.split_min_rows = 0
+        self._share = 0.5                            # of a split step's work that the helper takes
         self._cuts: list[tuple[int, int]] = []
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,39 +124,59 @@ class DecoderRunner:
     def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         """One step: a token for each decoding sequence (`decode[b]` owns slot b) and the whole
         prompt (prompt + any output so far) of each newcomer, in one pass through the layers.
-        Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order.
+        Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order."""
+        pos = [s.num_tokens - 1 for s in decode]
+        return self._part(decode, pos, 0, self._plan(decode, pos), prefill)
 
-        With a helper thread (`split`), a large step runs as two halves of the rows, one per thread,
-        each an ordinary single-threaded pass: on a CPU whose second core is shared with the HTTP
-        thread and a rollout client, the half-step picks up whatever that core has free, with none of
-        an OpenMP team's barrier stalls when it has none."""
+    def step(self, decode: list[Sequence], prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
+        """`forward`, then `sampler`: the next token and its logprob for each of decode + prefill.
+
+        With a helper thread (`split`), a large step runs as two parts of the rows, one per thread,
+        each an ordinary single-threaded pass that also samples its rows: on a CPU whose second core
+        is shared with the HTTP thread and a rollout client, the helper's part picks up whatever that
+        core has free, with none of an OpenMP team's barrier stalls when it has none."""
         b = len(decode)
+        if self._helper is None or b < self.split_min_rows:
+            return sampler(self.forward(decode, prefill), decode + prefill)
         pos = [s.num_tokens - 1 for s in decode]
         chunks = self._plan(decode, pos)
-        if self._helper is None or b < self.split_min_rows:
-            return self._part(decode, pos, 0, chunks, prefill)
-        # cut the rows where the work (rows and padded key positions) halves; a chunk that spans
-        # the cut becomes two, each padded only to its own longest row
-        work, acc, mid = [], 0, 1
+        # cut the rows where the work (padded key positions and a per-row share) splits evenly between
+        # the two threads; the engine thread's side also takes the newcomers' prefill. A chunk that
+        # spans the cut becomes two, each padded only to its own longest row.
+        work = []
         for start, end, longest in chunks:
-            work += [longest + 64] * (end - start)
-        half = sum(work) / 2
-        for i, w in enumerate(work[:-1]):
-            acc += w
-            mid = i + 1
-            if acc >= half:
+            work += [longest + ROW_WORK] * (end - start)
+        total = sum(work)
+        target = self._share * (total + PREFILL_WORK * sum(s.num_tokens for s in prefill))
+        acc, mid = 0, 0
+        for w in work[:-1] if not prefill else work:
+            if acc + w / 2 > target:
                 break
+            acc += w
+            mid += 1
+        mid = max(mid, 1)
 
         def part(lo: int, hi: int) -> list[tuple[int, int, int]]:
             return [(max(a, lo), min(e, hi), max(pos[max(a, lo):min(e, hi)]) + 1)
                     for a, e, _ in chunks if a < hi and e > lo]
-        first = self._helper.submit(self._part_in_helper, decode[:mid], pos[:mid], 0, part(0, mid), [])
-        second = self._part(decode[mid:], pos[mid:], mid, part(mid, b), prefill)
-        return torch.cat([first.result(), second])
+        u = sampler.draw(decode + prefill)
+        u1, u2 = (None, None) if u is None else (u[:mid], u[mid:])
+        first = self._helper.submit(self._sampled_part_in_helper, sampler, u1,
+                                    decode[:mid], pos[:mid], 0, part(0, mid), [])
+        t = time.perf_counter()
+        logits = self._part(decode[mid:], pos[mid:], mid, part(mid, b), prefill)
+        tokens, logprobs = sampler.sample(logits, decode[mid:] + prefill, u2)
+        t_own = time.perf_counter() - t
+        (tokens1, logprobs1), t_helper = first.result()
+        # move the cut toward equal times: the thread that took longer gets less next step
+        self._share = min(0.95, max(0.05, self._share + 0.02 * (t_own - t_helper) / (t_own + t_helper)))
+        return tokens1 + tokens, logprobs1 + logprobs
 
-    def _part_in_helper(self, *args) -> torch.Tensor:
+    def _sampled_part_in_helper(self, sampler, u, decode, *args) -> tuple[tuple[list, list], float]:
+        t = time.perf_counter()
         with torch.inference_mode():
-            return self._part(*args)
+            out = sampler.sample(self._part(decode, *args), decode, u)
+        return out, time.perf_counter() - t
 
     def _part(self, decode: list[Sequence], pos: list[int], slot0: int, chunks,
               prefill: list[Sequence]) -> torch.Tensor:
@@ -235,6 +262,9 @@ class GenericRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.caches: list = [None] * num_slots
+
+    def step(self, decode: list[Sequence], prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
+        return sampler(self.forward(decode, prefill), decode + prefill)
 
     def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         rows = []

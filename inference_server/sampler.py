@@ -18,18 +18,30 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         # logits: [batch, vocab] float32
+        return self.sample(logits, seqs, self.draw(seqs))
+
+    def draw(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The step's uniforms, one per row in `seqs` order (None when every row is greedy). Drawn
+        apart from `sample`, so that rows sampled in several parts get what one call would give."""
+        if all(s.params.greedy for s in seqs):
+            return None
+        return self._uniforms(seqs)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               u: torch.Tensor | None) -> tuple[list[int], list[float]]:
+        """Tokens and logprobs for `seqs` (rows of `logits`), with their uniforms `u` from `draw`."""
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         greedy = temps == 0
         logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
-        if bool(greedy.all()):
+        if u is None:
             tokens = logits.argmax(dim=-1)
         else:
             probs = logprobs.exp()
             if any(p.truncates for p in params):
                 probs = self._truncate(probs, params)
             cdf = probs.cumsum(dim=-1)
-            u = self._uniforms(seqs).to(logits.device)
+            u = u.to(logits.device)
             tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
             tokens = tokens.clamp_(max=logits.shape[-1] - 1)
             if bool(greedy.any()):

@@ -100,3 +100,38 @@ def test_sampler_samples_the_distribution():
     tokens, _ = Sampler(seed=1, device=torch.device("cpu"))(logits, [seq(str(i)) for i in range(4000)])
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.03)
+
+
+def test_a_split_step_samples_what_one_pass_does(tiny_model):
+    """A step cut between two threads (CPU, >= 16 rows) gives each row the token and logprob that
+    one pass over all rows gives: same uniforms, whatever the cut (with a newcomer's prefill)."""
+    from transformers import AutoModelForCausalLM
+
+    from inference_server.model_runner import DecoderRunner
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    lengths = sorted(torch.randint(4, 200, (24,), generator=g).tolist(), reverse=True)
+    ids = [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lengths + [37]]
+
+    def run(split: bool, share: float = 0.5):
+        runner = DecoderRunner(model, num_slots=32, context_length=256)
+        if split:
+            runner.enable_split(threads=1)
+            runner._share = share
+        seqs = []
+        for slot, x in enumerate(ids):
+            s = Sequence(str(slot), x, SamplingParams(temperature=0.8 if slot % 3 else 0.0))
+            s.slot = slot
+            seqs.append(s)
+        decode, newcomer = seqs[:-1], seqs[-1:]
+        with torch.inference_mode():
+            for s in decode:                          # each row's prompt minus its last token
+                s.prompt_ids, last = s.prompt_ids[:-1], s.prompt_ids[-1]
+                runner.forward([], [s])
+                s.prompt_ids = s.prompt_ids + [last]
+            return runner.step(decode, newcomer, Sampler(seed=7, device=torch.device("cpu")))
+    whole = run(split=False)
+    for share in (0.2, 0.5, 0.9):
+        tokens, logprobs = run(split=True, share=share)
+        assert tokens == whole[0]
+        assert torch.allclose(torch.tensor(logprobs), torch.tensor(whole[1]), atol=1e-4)
