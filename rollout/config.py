@@ -16,7 +16,8 @@ class RolloutConfig:
     max_staleness: int = 1              # how many versions behind the trainer any token may be
     stale_policy: str = "drop"          # drop | regenerate a group that breaks the bound
     update_policy: str = "abort_furthest"   # what a new weight version does to requests in flight
-    abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from done
+    abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
+                                        # done, when the next batch is already ready (else none)
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0

@@ -431,8 +431,15 @@ class RolloutManager:
         skip = set(doomed)
         rids = [rid for rid in self.inflight if rid not in skip]
         if self.cfg.update_policy == "abort_furthest":
-            rids.sort(key=self._tokens_left, reverse=True)
-            rids = rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
+            # Only once the next batch is in hand. Until then the trainer is waiting on these very
+            # requests, and an abort would add their re-prefill to its wait; with a batch ready,
+            # rollout has capacity to spare, and it goes to redoing the longest requests' remaining
+            # tokens under the new weights.
+            if self._batch_in_hand():
+                rids.sort(key=self._tokens_left, reverse=True)
+                rids = rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
+            else:
+                rids = []
         elif self.cfg.update_policy == "continue":
             rids = []
         rids += doomed
@@ -443,6 +450,11 @@ class RolloutManager:
         if wait:
             await task
         self._notify()
+
+    def _batch_in_hand(self) -> bool:
+        """Enough ready groups, within the bound at the current version, for the next batch."""
+        bound, tv = self.cfg.max_staleness, self.trainer_version
+        return sum(g.staleness(tv) <= bound for g in self.ready) >= self.cfg.batch_size
 
     def _tokens_left(self, rid: str) -> float:
         r = self.inflight.get(rid)
