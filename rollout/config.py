@@ -17,7 +17,7 @@ class RolloutConfig:
     stale_policy: str = "drop"          # drop | regenerate a group that breaks the bound
     update_policy: str = "abort_furthest"   # what a new weight version does to requests in flight
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
-                                        # done, when the next batch is already ready (else none)
+                                        # done, when the next two batches are ready (else none)
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0

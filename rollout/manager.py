@@ -431,11 +431,12 @@ class RolloutManager:
         skip = set(doomed)
         rids = [rid for rid in self.inflight if rid not in skip]
         if self.cfg.update_policy == "abort_furthest":
-            # Only once the next batch is in hand. Until then the trainer is waiting on these very
-            # requests, and an abort would add their re-prefill to its wait; with a batch ready,
-            # rollout has capacity to spare, and it goes to redoing the longest requests' remaining
-            # tokens under the new weights.
-            if self._batch_in_hand():
+            # Only while rollout is a batch ahead of the trainer: the batch it takes next is ready,
+            # and so is the one after. Short of that the trainer will wait on these very requests,
+            # and an abort would add their re-prefill to its wait; a batch ahead, rollout has time
+            # to spare, and it goes to redoing the longest requests' remaining tokens under the new
+            # weights.
+            if self._rollout_ahead():
                 rids.sort(key=self._tokens_left, reverse=True)
                 rids = rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
             else:
@@ -451,10 +452,10 @@ class RolloutManager:
             await task
         self._notify()
 
-    def _batch_in_hand(self) -> bool:
-        """Enough ready groups, within the bound at the current version, for the next batch."""
+    def _rollout_ahead(self) -> bool:
+        """Ready groups, within the bound at the current version, for the next two batches."""
         bound, tv = self.cfg.max_staleness, self.trainer_version
-        return sum(g.staleness(tv) <= bound for g in self.ready) >= self.cfg.batch_size
+        return sum(g.staleness(tv) <= bound for g in self.ready) >= 2 * self.cfg.batch_size
 
     def _tokens_left(self, rid: str) -> float:
         r = self.inflight.get(rid)

@@ -197,10 +197,10 @@ def test_groups_past_the_bound_stop_generating_at_once(servers, tokenizer, tiny_
     assert m.metrics.tokens_resumed == 0         # nothing of theirs was resumed
 
 
-def test_abort_furthest_aborts_only_once_the_next_batch_is_ready(servers, tokenizer, tiny_model):
-    """A new version aborts nothing while the trainer still waits on the requests in flight (their
-    re-prefill would only lengthen its wait); once a batch is ready, it aborts the abort_fraction
-    of them with the most tokens left, and those resume."""
+def test_abort_furthest_aborts_only_while_rollout_is_a_batch_ahead(servers, tokenizer, tiny_model):
+    """A new version aborts nothing while the trainer will still wait on the requests in flight
+    (their re-prefill would only lengthen its wait); once the next two batches are ready, it aborts
+    the abort_fraction of them with the most tokens left, and those resume."""
     import httpx
     url = servers()[0].url
     old = int(httpx.get(f"{url}/get_weight_version").json()["weight_version"])
@@ -208,9 +208,9 @@ def test_abort_furthest_aborts_only_once_the_next_batch_is_ready(servers, tokeni
     def aborted() -> int:
         return int(httpx.get(f"{url}/get_server_info").json()["stats"]["aborted_requests"])
 
-    async def item0_first(sample, ctx):
-        await ctx.generate(sample, max_new_tokens=(400 if sample.metadata["item"] == 0 else 1000)
-                           - len(sample.response_ids))
+    async def two_short(sample, ctx):              # items 0 and 1 finish first
+        budget = 400 if sample.metadata["item"] < 2 else 1000
+        await ctx.generate(sample, max_new_tokens=budget - len(sample.response_ids))
         return sample
 
     async def new_version(m, v):
@@ -220,21 +220,21 @@ def test_abort_furthest_aborts_only_once_the_next_batch_is_ready(servers, tokeni
         await m.on_weights_updated(v, wait=True)
 
     async def main():
-        m = manager([url], tokenizer, data=PromptSource(PROMPTS, shuffle=False), batch_size=1, oversample=3.0,
+        m = manager([url], tokenizer, data=PromptSource(PROMPTS, shuffle=False), batch_size=1, oversample=4.0,
                     max_new_tokens=1000, max_staleness=4, update_policy="abort_furthest", abort_fraction=0.5)
-        m.rollout_fn = item0_first
+        m.rollout_fn = two_short
         m.trainer_version = old
         await m.start()
-        while len(m.inflight) < 12:
+        while len(m.inflight) < 16:
             await asyncio.sleep(0.01)
         a0 = await asyncio.to_thread(aborted)
-        await new_version(m, old + 1)                      # nothing ready yet
+        await new_version(m, old + 1)                  # nothing ready yet
         before = (await asyncio.to_thread(aborted)) - a0, m.metrics.tokens_aborted
-        while not m.ready:                              # item 0's group (400 tokens) is done first
+        while len(m.ready) < 2:                        # two batches' worth (batch_size 1)
             await asyncio.sleep(0.01)
         inflight = len(m.inflight)
         a1 = await asyncio.to_thread(aborted)
-        await new_version(m, old + 2)                      # a batch in hand
+        await new_version(m, old + 2)
         after = (await asyncio.to_thread(aborted)) - a1
         while sum(s.num_aborts for g in m.running.values() for s in g.samples) < after:
             await asyncio.sleep(0.01)
