@@ -1,6 +1,6 @@
 """Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
 
-    python bench/long_tail.py [--steps 10] [--oversample 2.0] [--max-staleness 4] [--async-inflight 32] [--quick]
+    python bench/long_tail.py [--steps 20] [--oversample 2.0] [--max-staleness 4] [--async-inflight 32] [--quick]
 
 One real server (`python -m inference_server`, --max-running-requests 64 --context-length 1200) with a
 tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000; built into a temp dir if absent).
@@ -15,9 +15,16 @@ weight push (`WeightSync([server]).push(model, version)`, the trainer's copy loa
 one element of every tensor nudged per step) of version = previous + 1, numbered on across both modes.
 a and b are calibrated on an untimed warm-up sync batch (other items): a = b * tokens_warmup =
 --train-frac * t_ref / 2, so a train step on a batch the size of the warm-up one lasts
---train-frac * t_ref, where t_ref is the median sample's completion time in that batch
-(--train-ref median_sample, default) or the whole batch's generation time (--train-ref batch).
---train-a/--train-b set them by hand instead.
+--train-frac * t_ref, where t_ref is the whole warm-up batch's generation time (--train-ref batch,
+default: training a batch takes about as long as generating one synchronously; training is ~40%
+of a synchronous step here) or the median sample's completion time in it (--train-ref median_sample:
+~20% of a synchronous step). --train-a/--train-b set them by hand instead.
+
+What bounds the speedup: with G_sync and G_async the generation time of a batch in each mode and T a
+train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when T = G_async.
+How much faster async generation is, G_sync / G_async, depends on how a decode step's cost grows with
+its rows: on a GPU nearly flat (a long tail of a few rows costs a full step, so the ratio is large); on
+this CPU nearly linear past a few rows (sync_ms_per_token / async_ms_per_token, about 1.5 here).
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
      Router/ServerClient (same client as the manager), wait for all, train, push, repeat.
@@ -373,6 +380,10 @@ async def bench(args, url, path) -> dict:
         "sync_mean_len": round(sync["mean_len"], 1), "async_mean_len": round(asyn["mean_len"], 1),
         # sync step time / the async trainer's own time per step: the speedup if generation were free
         "speedup_bound_trainer": round(sync["wall_s"] / (asyn["train_s"] + asyn["push_s"]), 3),
+        "train_share_of_sync_step": round(sync["train_s"] / sync["wall_s"], 3),
+        # server busy time per generated token: what each mode's batching makes a token cost
+        "sync_ms_per_token": round(1000 * sync["busy_s"] / max(sync["server_tokens"], 1), 3),
+        "async_ms_per_token": round(1000 * asyn["busy_s"] / max(asyn["server_tokens"], 1), 3),
         "sync_wall_s": round(sync["wall_s"], 1), "async_wall_s": round(asyn["wall_s"], 1),
         "sync_gen_s": round(sync["gen_s"], 1), "sync_train_s": round(sync["train_s"], 1),
         "sync_push_s": round(sync["push_s"], 1), "async_train_s": round(asyn["train_s"], 1),
@@ -400,7 +411,7 @@ async def bench(args, url, path) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16, help="groups per training batch")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-running", type=int, default=64, help="server --max-running-requests and max_inflight")
@@ -414,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
     p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])
-    p.add_argument("--train-ref", default="median_sample", choices=["median_sample", "batch"])
+    p.add_argument("--train-ref", default="batch", choices=["batch", "median_sample"])
     p.add_argument("--train-frac", type=float, default=1.0)
     p.add_argument("--train-a", type=float, default=None)
     p.add_argument("--train-b", type=float, default=None)
