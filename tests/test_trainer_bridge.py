@@ -42,6 +42,7 @@ def last_json(stdout: str) -> dict:
     ("trainer.lrr=0.1", ["trainer.lrr", "trainer.lr"]),
     ("rollout.oversampel=2", ["rollout.oversample"]),
     ("trainer.loss_agg=sum", ["trainer.loss_agg", "token-mean"]),
+    ("trainer.lr_schedule=step", ["trainer.lr_schedule", "cosine"]),
     ("rollout.oversample=0.5", ["rollout.oversample", ">= 1.0"]),
     ("task=nosuchtask", ["nosuchtask"]),
 ])
@@ -52,6 +53,19 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
         assert w in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "model").exists(), "nothing was built or started"
     assert servers_of(tmp_path) == []
+
+
+def test_lr_schedule_warms_up_then_decays_to_its_floor():
+    from trainer_bridge.config import TrainerConfig
+    from trainer_bridge.trainer import lr_at
+    cfg = TrainerConfig(steps=11, lr=1.0, lr_schedule="cosine", lr_warmup_steps=2, min_lr_ratio=0.1)
+    lrs = [lr_at(cfg, s) for s in range(11)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and abs(lrs[-1] - 0.1) < 1e-9
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))        # no rise after warm-up
+    assert abs(lr_at(cfg, 6) - 0.55) < 1e-9                       # cosine's midpoint
+    linear = TrainerConfig(steps=11, lr=1.0, lr_schedule="linear", min_lr_ratio=0.0)
+    assert [round(lr_at(linear, s), 6) for s in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_at(TrainerConfig(steps=11, lr=0.3), 7) == 0.3
 
 
 def test_short_grpo_run_learns_and_cleans_up(tmp_path):
@@ -66,6 +80,7 @@ def test_short_grpo_run_learns_and_cleans_up(tmp_path):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(40))
     assert all(r["max_staleness"] <= 1 for r in lines)
+    assert lines[-1]["train/lr"] < lines[0]["train/lr"] == 0.005      # the demo's cosine schedule
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s"):
         assert key in lines[-1]

@@ -68,7 +68,10 @@ class WeightSyncConfig:
 @dataclass
 class TrainerConfig:
     steps: int = f(200, "training steps (one rollout batch and one optimizer step each)")
-    lr: float = f(2e-3, "AdamW learning rate")
+    lr: float = f(2e-3, "AdamW learning rate (the peak, with a schedule)")
+    lr_schedule: str = f("constant", "constant | cosine | linear: decay from lr to lr * min_lr_ratio by the last step")
+    lr_warmup_steps: int = f(0, "steps of linear warm-up from lr / warmup to lr")
+    min_lr_ratio: float = f(0.1, "cosine/linear: the last step's lr as a fraction of lr")
     weight_decay: float = f(0.0, "AdamW weight decay")
     betas: list = f([0.9, 0.99], "AdamW betas")
     grad_clip: float = f(1.0, "clip the global gradient norm to this (0: off)")
@@ -88,6 +91,10 @@ class TrainerConfig:
     def validate(self) -> None:
         checks = [(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
                   (self.lr > 0, f"trainer.lr={self.lr}: must be > 0"),
+                  (self.lr_schedule in ("constant", "cosine", "linear"),
+                   f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear"),
+                  (self.lr_warmup_steps >= 0, f"trainer.lr_warmup_steps={self.lr_warmup_steps}: must be >= 0"),
+                  (0.0 <= self.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]"),
                   (self.micro_batch_size >= 1, f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1"),
                   (self.loss_agg in ("token-mean", "seq-mean-token-mean"),
                    f"trainer.loss_agg={self.loss_agg!r}: use token-mean or seq-mean-token-mean"),

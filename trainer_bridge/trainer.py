@@ -19,6 +19,20 @@ from trainer_bridge import grpo
 from trainer_bridge.config import TrainerConfig
 
 
+def lr_at(cfg: TrainerConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): linear warm-up over lr_warmup_steps, then
+    constant, or a cosine / linear decay that reaches lr * min_lr_ratio at the last step. A function
+    of the step alone, so a resumed run continues the schedule from its checkpoint's step."""
+    warmup = cfg.lr_warmup_steps
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - warmup) / max(1, cfg.steps - 1 - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.lr_schedule == "cosine" else 1 - progress
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
 class GRPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0):
         self.cfg = cfg
@@ -54,10 +68,13 @@ class GRPOTrainer:
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        lr = lr_at(self.cfg, self.step_count)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.step_count += 1
         seconds = time.perf_counter() - t0
-        return {**sums, "grad_norm": float(grad_norm), "train_seconds": seconds,
+        return {**sums, "grad_norm": float(grad_norm), "lr": lr, "train_seconds": seconds,
                 "trainer_tokens_per_s": float(batch["attention_mask"].sum()) / seconds}
 
     def _micro_batch(self, mb: dict, batch_tokens: float):
