@@ -1,4 +1,5 @@
 """Scheduler (no torch), decode-attention planning, KV slot permutation and sampler on their own."""
+import pytest
 import torch
 
 from inference_server.kv_cache import SlotKVCache
@@ -135,3 +136,34 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
         tokens, logprobs = run(split=True, share=share)
         assert tokens == whole[0]
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(whole[1]), atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope"])
+def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
+    """The fast path calls each family's own parameters through its own ops (fused RMSNorm, a rope
+    table, q/k norms for Qwen3): prefill and decode logits equal the model's own forward."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+
+    from inference_server.model_runner import DecoderRunner
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = {"llama": lambda: LlamaConfig(**common),
+           "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+           "mistral": lambda: MistralConfig(**common, sliding_window=None),
+           "llama3_rope": lambda: LlamaConfig(**common, rope_scaling={
+               "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64})}[family]()
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    runner = DecoderRunner(model, num_slots=2, context_length=256)
+    ids = torch.randint(0, 300, (40,)).tolist()
+    with torch.inference_mode():
+        want = model(torch.tensor([ids])).logits[0]
+        s = Sequence("a", ids[:30], SamplingParams())
+        s.slot = 0
+        got = [runner.forward([], [s])[0]]
+        for t in ids[30:-1]:
+            s.output_ids.append(t)
+            got.append(runner.forward([s], [])[0])
+    assert torch.allclose(torch.stack(got), want[29:39], atol=1e-5)
