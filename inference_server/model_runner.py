@@ -1,9 +1,9 @@
 """Runs the model: prefill of newcomers, batched decode over the KV cache, logits of the last token.
 
 Two runners behind one interface. `DecoderRunner` is the fast path for the Llama-style decoder
-family (Llama, Mistral, Qwen2, Qwen3): it calls the transformers model's own submodules (so its
-parameters, names and weight updates are the checkpoint's) but owns the attention and the KV
-cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
+family (Llama, Mistral, Qwen2, Qwen3): it runs the transformers model's own parameters (so their
+names and weight updates are the checkpoint's) through F.linear / F.rms_norm and a rope table, with
+fewer ops than the modules' forwards, and owns the attention and the KV cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
 """
 from __future__ import annotations
 
