@@ -13,9 +13,9 @@ the same lengths for the same items. Reward 0 for everyone, group filter `none` 
 Trainer stand-in: `asyncio.sleep(a + b * tokens)` for a batch of `tokens` generated tokens, then a real
 weight push (`WeightSync([server]).push(model, version)`, the trainer's copy loaded with from_pretrained,
 one element of every tensor nudged per step) of version = previous + 1, numbered on across both modes.
-a and b are calibrated on an untimed warm-up sync batch (other items): a = b * tokens_warmup =
---train-frac * t_ref / 2, so a train step on a batch the size of the warm-up one lasts
---train-frac * t_ref, where t_ref is the whole warm-up batch's generation time (--train-ref batch,
+a and b are calibrated on --warmup-batches (3) untimed warm-up sync batches (other items), their means:
+a = b * tokens_warmup = --train-frac * t_ref / 2, so a train step on a batch the size of a warm-up one
+lasts --train-frac * t_ref, where t_ref is a warm-up batch's generation time (--train-ref batch,
 default: training a batch takes about as long as generating one synchronously; training is ~40%
 of a synchronous step here) or the median sample's completion time in it (--train-ref median_sample:
 ~20% of a synchronous step). --train-a/--train-b set them by hand instead.
@@ -334,13 +334,20 @@ async def bench(args, url, path) -> dict:
     log(f"lengths over {len(lens)} samples: median {statistics.median(lens)}, mean {statistics.mean(lens):.0f}, "
         f"p90 {sorted(lens)[int(0.9 * len(lens))]}, max {max(lens)}, at cap {sum(n == MAX_TOKENS for n in lens)}")
 
-    # warm-up + calibration: one untimed sync batch of other items
+    # warm-up + calibration: --warmup-batches untimed sync batches of other items (one batch's time
+    # hangs on its longest sample, so a single one would make the train step a lottery)
     router = Router([ServerClient(url, timeout_s=600)])
-    warm_items = make_items(args.batch_size, args.group_size, args.seed, args.median_tokens, args.sigma,
-                            offset=10_000_000)
-    samples, done, warm_tokens = await sync_batch(router, PromptSource(warm_items, shuffle=False),
-                                                  tokenizer, sync_cfg)
-    batch_s, median_s = max(done), statistics.median(done)
+    warm_items = make_items(args.batch_size * args.warmup_batches, args.group_size, args.seed, args.median_tokens,
+                            args.sigma, offset=10_000_000)
+    warm_data = PromptSource(warm_items, shuffle=False)
+    batch_times, median_times, token_counts = [], [], []
+    for _ in range(args.warmup_batches):
+        samples, done, n = await sync_batch(router, warm_data, tokenizer, sync_cfg)
+        batch_times.append(max(done))
+        median_times.append(statistics.median(done))
+        token_counts.append(n)
+    batch_s, median_s = statistics.mean(batch_times), statistics.mean(median_times)
+    warm_tokens = statistics.mean(token_counts)
     v0 = (await server_stats(router.clients[0]))["weight_version"]
     await router.close()
     ref = median_s if args.train_ref == "median_sample" else batch_s
@@ -349,8 +356,9 @@ async def bench(args, url, path) -> dict:
         b = a / max(warm_tokens, 1)
     else:
         a, b = args.train_a, args.train_b
-    log(f"warm-up sync batch: {batch_s:.2f}s, median sample done at {median_s:.2f}s, {warm_tokens} tokens; "
-        f"train step = {a:.3f} + {b:.2e} * tokens s; server at version {v0}")
+    log(f"warm-up sync batches: {', '.join(f'{t:.2f}' for t in batch_times)}s, median sample done at "
+        f"{median_s:.2f}s, {warm_tokens:.0f} tokens a batch; train step = {a:.3f} + {b:.2e} * tokens s; "
+        f"server at version {v0}")
 
     trainer = Trainer(path, url, v0, a, b, args.bucket_bytes)
     try:
@@ -427,6 +435,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])
     p.add_argument("--train-ref", default="batch", choices=["batch", "median_sample"])
     p.add_argument("--train-frac", type=float, default=1.0)
+    p.add_argument("--warmup-batches", type=int, default=3, help="untimed sync batches the train step is calibrated on")
     p.add_argument("--train-a", type=float, default=None)
     p.add_argument("--train-b", type=float, default=None)
     p.add_argument("--bucket-bytes", type=int, default=8 << 20)
