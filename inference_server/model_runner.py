@@ -1,9 +1,9 @@
 """Runs the model: prefill of newcomers, batched decode over the KV cache, logits of the last token.
 
 Two runners behind one interface. `DecoderRunner` is the fast path for the Llama-style decoder
-family (Llama, Mistral, Qwen2, Qwen3): it runs the transformers model's own parameters (so their
-names and weight updates are the checkpoint's) through F.linear / F.rms_norm and a rope table, with
-fewer ops than the modules' forwards, and owns the attention and the KV cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
+family (Llama, Mistral, Qwen2, Qwen3): it calls the transformers model's own submodules (so its
+parameters, names and weight updates are the checkpoint's) but owns the attention and the KV
+cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
 """
 from __future__ import annotations
 
@@ -59,6 +59,11 @@ def chunk_cost(lengths: list[int], call_cost: int = CALL_COST) -> int:
     return sum((end - start) * longest + call_cost for start, end, longest in plan_chunks(lengths, call_cost))
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 def supports_fast_path(model) -> bool:
     cfg = model.config
     layer_types = getattr(cfg, "layer_types", None) or []
@@ -88,82 +93,33 @@ class DecoderRunner:
         self.split_min_rows = 0
         self._share = 0.5                            # of a split step's work that the helper takes
         self._cuts: list[tuple[int, int]] = []
-        # Each op of a step costs Python dispatch and, when a step runs as two parts, a hand-over of
-        # the GIL between the two threads: so the layers call F.linear / F.rms_norm on the
-        # checkpoint's own parameters rather than the modules' forwards, and rope reads a table.
-        # Each shortcut is taken only where it computes what the module does.
-        self._fused_norm = param.dtype == torch.float32 and all(
-            hasattr(m, "variance_epsilon") for m in self._norms())
-        self._silu = getattr(cfg, "hidden_act", None) == "silu"
-        self._rope_table = self._build_rope_table(context_length, param.dtype)
-
-    def _norms(self):
-        yield self.decoder.norm
-        for layer in self.layers:
-            yield from (layer.input_layernorm, layer.post_attention_layernorm)
-            if hasattr(layer.self_attn, "q_norm"):     # Qwen3
-                yield from (layer.self_attn.q_norm, layer.self_attn.k_norm)
-
-    def _norm(self, mod, x: torch.Tensor) -> torch.Tensor:
-        # HF's RMSNorm is 6 ops; F.rms_norm is one, and the same computation in fp32 (HF's casts are
-        # no-ops there)
-        if self._fused_norm:
-            return F.rms_norm(x, (x.shape[-1],), mod.weight, mod.variance_epsilon)
-        return mod(x)
-
-    def _build_rope_table(self, context_length: int, dtype: torch.dtype):
-        """cos and sign-folded sin for every position, from the model's own rotary embedding, so a
-        step indexes a table: rotate_half(x) * sin == roll(x, d/2) * (sin with its first half
-        negated), exactly. None for rope types whose tables depend on the sequence (dynamic)."""
-        rot = self.decoder.rotary_emb
-        if getattr(rot, "rope_type", "default") in ("dynamic", "longrope"):
-            return None
-        probe = torch.zeros(1, dtype=dtype, device=self.device)
-        cos, sin = rot(probe, torch.arange(context_length, device=self.device)[None])
-        return cos[0], sin[0] * self._rope_sign(sin.dtype)
-
-    def _rope_sign(self, dtype: torch.dtype) -> torch.Tensor:
-        sign = torch.ones(self.head_dim, dtype=dtype, device=self.device)
-        sign[:self.head_dim // 2] = -1
-        return sign
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin at `positions`, [tokens, 1, head_dim] each."""
-        if self._rope_table is not None:
-            cos, sin = self._rope_table
-            return cos[positions][:, None, :], sin[positions][:, None, :]
         cos, sin = self.decoder.rotary_emb(x, positions[None])
-        return cos[0, :, None, :], (sin[0] * self._rope_sign(sin.dtype))[:, None, :]
+        return cos[0, :, None, :], sin[0, :, None, :]   # [tokens, 1, head_dim]
 
     def _qkv(self, attn, h: torch.Tensor, cos, sin):
         t = h.shape[0]
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(t, self.num_heads, self.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(t, self.num_kv_heads, self.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(t, self.num_kv_heads, self.head_dim)
+        q = attn.q_proj(h).view(t, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):    # Qwen3
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        qk = torch.cat((q, k), dim=1)   # rope once over both: x * cos + rotate_half(x) * sin
-        qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
-        return qk[:, :self.num_heads], qk[:, self.num_heads:], v   # [tokens, heads, head_dim]
-
-    def _mlp(self, mlp, h: torch.Tensor) -> torch.Tensor:
-        gate = F.linear(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        return F.linear((F.silu(gate) if self._silu else mlp.act_fn(gate)) * up,
-                        mlp.down_proj.weight, mlp.down_proj.bias)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v                 # [tokens, heads, head_dim]
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         cos, sin = self._rope(x, positions)
         for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            q, k, v = self._qkv(attn, self._norm(layer.input_layernorm, x), cos, sin)
-            x = x + F.linear(attend(i, q, k, v), attn.o_proj.weight, attn.o_proj.bias)
-            x = x + self._mlp(layer.mlp, self._norm(layer.post_attention_layernorm, x))
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(layer.self_attn, h, cos, sin)
+            x = x + layer.self_attn.o_proj(attend(i, q, k, v))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        head = self.model.lm_head
-        return F.linear(self._norm(self.decoder.norm, x), head.weight, head.bias).float()
+        return self.model.lm_head(self.decoder.norm(x)).float()
 
     def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
         """One step: a token for each decoding sequence (`decode[b]` owns slot b) and the whole
