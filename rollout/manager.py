@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import logging
 import math
@@ -83,8 +84,14 @@ class _Slots:
         self._waiters: list[tuple[tuple, int, asyncio.Future]] = []
         self._count = 0
 
-    def take(self, key: tuple) -> "_SlotLease":
-        return _SlotLease(self, key)
+    @contextlib.asynccontextmanager
+    async def take(self, key: tuple):
+        """`async with slots.take(key):` holds one slot for the block."""
+        await self.acquire(key)
+        try:
+            yield
+        finally:
+            self.release()
 
     async def acquire(self, key: tuple) -> None:
         if self.free > 0 and not self._waiters:
@@ -107,17 +114,6 @@ class _Slots:
                 fut.set_result(None)            # the slot goes straight to the waiter
                 return
         self.free += 1
-
-
-class _SlotLease:
-    def __init__(self, slots: _Slots, key: tuple):
-        self.slots, self.key = slots, key
-
-    async def __aenter__(self) -> None:
-        await self.slots.acquire(self.key)
-
-    async def __aexit__(self, *exc) -> None:
-        self.slots.release()
 
 
 class RolloutContext:
