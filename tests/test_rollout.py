@@ -1,6 +1,7 @@
 """The rollout manager on real servers on loopback with a tiny model."""
 import asyncio
 import json
+import math
 import os
 import signal
 
@@ -217,7 +218,9 @@ def test_abort_furthest_aborts_only_while_rollout_is_a_batch_ahead(servers, toke
         r = await asyncio.to_thread(httpx.post, f"{url}/update_weights_from_disk",
                                     json={"model_path": tiny_model, "weight_version": v}, timeout=60)
         assert r.status_code == 200, r.text
+        inflight = len(m.inflight)                     # what the policy sees: no await in between
         await m.on_weights_updated(v, wait=True)
+        return inflight
 
     async def main():
         m = manager([url], tokenizer, data=PromptSource(PROMPTS, shuffle=False), batch_size=1, oversample=4.0,
@@ -232,9 +235,8 @@ def test_abort_furthest_aborts_only_while_rollout_is_a_batch_ahead(servers, toke
         before = (await asyncio.to_thread(aborted)) - a0, m.metrics.tokens_aborted
         while len(m.ready) < 2:                        # two batches' worth (batch_size 1)
             await asyncio.sleep(0.01)
-        inflight = len(m.inflight)
         a1 = await asyncio.to_thread(aborted)
-        await new_version(m, old + 2)
+        inflight = await new_version(m, old + 2)       # the long groups' requests
         after = (await asyncio.to_thread(aborted)) - a1
         while sum(s.num_aborts for g in m.running.values() for s in g.samples) < after:
             await asyncio.sleep(0.01)
@@ -243,7 +245,7 @@ def test_abort_furthest_aborts_only_while_rollout_is_a_batch_ahead(servers, toke
         return before, inflight, after, resumed
     before, inflight, after, resumed = run(main())
     assert before == (0, 0)
-    assert inflight == 8 and after == 4 and resumed == 4
+    assert 0 < inflight <= 8 and after == math.ceil(inflight * 0.5) and resumed == after
 
 
 def test_a_config_the_server_refuses_stops_the_run_with_its_reason(servers, tokenizer):
