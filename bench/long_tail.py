@@ -1,6 +1,7 @@
 """Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
 
-    python bench/long_tail.py [--steps 20] [--oversample 2.0] [--max-staleness 4] [--async-inflight 32] [--quick]
+    python bench/long_tail.py [--steps 20] [--train-share 0.3] [--oversample 2.0] [--max-staleness 4]
+                              [--async-inflight 48] [--quick]
 
 One real server (`python -m inference_server`, --max-running-requests 64 --context-length 1200) with a
 tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000; built into a temp dir if absent).
@@ -13,18 +14,25 @@ the same lengths for the same items. Reward 0 for everyone, group filter `none` 
 Trainer stand-in: `asyncio.sleep(a + b * tokens)` for a batch of `tokens` generated tokens, then a real
 weight push (`WeightSync([server]).push(model, version)`, the trainer's copy loaded with from_pretrained,
 one element of every tensor nudged per step) of version = previous + 1, numbered on across both modes.
-a and b are calibrated on --warmup-batches (3) untimed warm-up sync batches (other items), their means:
-a = b * tokens_warmup = --train-frac * t_ref / 2, so a train step on a batch the size of a warm-up one
-lasts --train-frac * t_ref, where t_ref is a warm-up batch's generation time (--train-ref batch,
-default: training a batch takes about as long as generating one synchronously; training is ~40%
-of a synchronous step here) or the median sample's completion time in it (--train-ref median_sample:
-~20% of a synchronous step). --train-a/--train-b set them by hand instead.
+a and b are calibrated so that training takes --train-share (0.3) of a synchronous step: on
+--warmup-batches (4) untimed warm-up sync batches (other items) the server's synchronous generation
+time per token is g = their generation time / their tokens, and for a batch of the workload's mean
+size (N tokens, known from the drawn lengths) a = b * N = share / (1 - share) * g * N / 2: half of a
+step is fixed, half grows with its tokens. 0.3 means rollout is 70% of a synchronous step, as RollPacker
+(arXiv 2509.21009) measures for synchronous RL post-training; APRIL (arXiv 2509.18521) reports over 90%
+(share < 0.1). --train-a/--train-b set them by hand instead.
 
 What bounds the speedup: with G_sync and G_async the generation time of a batch in each mode and T a
-train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when T = G_async.
-How much faster async generation is, G_sync / G_async, depends on how a decode step's cost grows with
-its rows: on a GPU nearly flat (a long tail of a few rows costs a full step, so the ratio is large); on
-this CPU nearly linear past a few rows (sync_ms_per_token / async_ms_per_token, about 1.5 here).
+train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when T = G_async. In terms of
+the train share S = T / (G_sync + T) and E = G_sync / G_async: speedup <= E / (1 - S) while S <= 1 / (1 + E)
+(generation bounds the async run), else <= 1 / S (training does: S = 0.5 caps it at 2).
+How much faster async generation is, E, depends on how a decode step's cost grows with its rows: on a
+GPU nearly flat (a long tail of a few rows costs a full step, so E is large); on this CPU nearly linear
+past a few rows. E is sync_ms_per_token / async_ms_per_token: the sync tail averages ~10 rows a step;
+async at --async-inflight 32 runs ~31 (E 1.35-1.6 here), at 48 ~40 (E 1.65-1.95). More in flight is
+cheaper per token but ages samples faster (a sample of L tokens spans ~ L * rows / batch tokens
+versions), so more groups break --max-staleness and are dropped: 48 wastes ~3.5% of tokens, 64 ~4%
+with no gain in rows (the staleness capacity holds them at ~44).
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
      Router/ServerClient (same client as the manager), wait for all, train, push, repeat.
@@ -334,31 +342,32 @@ async def bench(args, url, path) -> dict:
     log(f"lengths over {len(lens)} samples: median {statistics.median(lens)}, mean {statistics.mean(lens):.0f}, "
         f"p90 {sorted(lens)[int(0.9 * len(lens))]}, max {max(lens)}, at cap {sum(n == MAX_TOKENS for n in lens)}")
 
-    # warm-up + calibration: --warmup-batches untimed sync batches of other items (one batch's time
-    # hangs on its longest sample, so a single one would make the train step a lottery)
+    # warm-up + calibration: --warmup-batches untimed sync batches of other items; their generation time
+    # per token, pooled (one batch's time hangs on its longest sample)
     router = Router([ServerClient(url, timeout_s=600)])
     warm_items = make_items(args.batch_size * args.warmup_batches, args.group_size, args.seed, args.median_tokens,
                             args.sigma, offset=10_000_000)
     warm_data = PromptSource(warm_items, shuffle=False)
-    batch_times, median_times, token_counts = [], [], []
+    batch_times, token_counts = [], []
     for _ in range(args.warmup_batches):
         samples, done, n = await sync_batch(router, warm_data, tokenizer, sync_cfg)
         batch_times.append(max(done))
-        median_times.append(statistics.median(done))
         token_counts.append(n)
-    batch_s, median_s = statistics.mean(batch_times), statistics.mean(median_times)
-    warm_tokens = statistics.mean(token_counts)
     v0 = (await server_stats(router.clients[0]))["weight_version"]
     await router.close()
-    ref = median_s if args.train_ref == "median_sample" else batch_s
+    gen_s_per_token = sum(batch_times) / max(sum(token_counts), 1)
+    mean_batch_tokens = statistics.mean(sum(it["lengths"]) for it in items) * args.batch_size
     if args.train_a is None or args.train_b is None:
-        a = args.train_frac * ref / 2
-        b = a / max(warm_tokens, 1)
+        if not 0 < args.train_share < 1:
+            raise SystemExit(f"--train-share {args.train_share}: expected a fraction in (0, 1)")
+        t_step = args.train_share / (1 - args.train_share) * gen_s_per_token * mean_batch_tokens
+        a = t_step / 2
+        b = a / mean_batch_tokens
     else:
         a, b = args.train_a, args.train_b
-    log(f"warm-up sync batches: {', '.join(f'{t:.2f}' for t in batch_times)}s, median sample done at "
-        f"{median_s:.2f}s, {warm_tokens:.0f} tokens a batch; train step = {a:.3f} + {b:.2e} * tokens s; "
-        f"server at version {v0}")
+    log(f"warm-up sync batches: {', '.join(f'{t:.2f}' for t in batch_times)}s for {', '.join(map(str, token_counts))} "
+        f"tokens ({1000 * gen_s_per_token:.3f} ms a token); mean batch {mean_batch_tokens:.0f} tokens; "
+        f"train step = {a:.3f} + {b:.2e} * tokens s; server at version {v0}")
 
     trainer = Trainer(path, url, v0, a, b, args.bucket_bytes)
     try:
@@ -410,7 +419,8 @@ async def bench(args, url, path) -> dict:
         "mean_inflight_at_batch": round(asyn["mean_inflight_at_batch"], 1),
         "server_version_start": v0, "server_version_end": asyn["server_version_end"],
         "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),
-        "warmup_batch_s": round(batch_s, 2), "warmup_median_sample_s": round(median_s, 2),
+        "warmup_batch_s": [round(t, 2) for t in batch_times], "warmup_ms_per_token": round(1000 * gen_s_per_token, 3),
+        "train_share_target": args.train_share, "mean_batch_tokens": round(mean_batch_tokens),
         "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
         "oversample": args.oversample, "async_inflight": async_cfg.max_inflight, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
         "model": dict(MODEL), "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
@@ -423,9 +433,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="groups per training batch")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-running", type=int, default=64, help="server --max-running-requests and max_inflight")
-    p.add_argument("--async-inflight", type=int, default=32,
-                   help="max_inflight of (b): fewer requests at once age less per token (versions a sample "
-                        "spans ~ length * inflight / tokens per batch); 0: --max-running")
+    p.add_argument("--async-inflight", type=int, default=48,
+                   help="max_inflight of (b): more rows make a decode step cheaper per token, but a sample "
+                        "spans ~ length * inflight / tokens per batch versions, so more of them break "
+                        "--max-staleness; 0: --max-running")
     p.add_argument("--median-tokens", type=float, default=64.0)
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--oversample", type=float, default=2.0)
@@ -433,9 +444,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
     p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])
-    p.add_argument("--train-ref", default="batch", choices=["batch", "median_sample"])
-    p.add_argument("--train-frac", type=float, default=1.0)
-    p.add_argument("--warmup-batches", type=int, default=3, help="untimed sync batches the train step is calibrated on")
+    p.add_argument("--train-share", type=float, default=0.3,
+                   help="what share of a synchronous step training takes (calibrated on the warm-up)")
+    p.add_argument("--warmup-batches", type=int, default=4, help="untimed sync batches the train step is calibrated on")
     p.add_argument("--train-a", type=float, default=None)
     p.add_argument("--train-b", type=float, default=None)
     p.add_argument("--bucket-bytes", type=int, default=8 << 20)
