@@ -70,7 +70,7 @@ def test_lr_schedule_warms_up_then_decays_to_its_floor():
 
 def test_short_grpo_run_learns_and_cleans_up(tmp_path):
     proc = train(tmp_path, "trainer.steps=40", "task.num_digits=1", "rollout.max_new_tokens=2",
-                 "rollout.group_size=8", "rollout.batch_size=8", "trainer.lr=0.005", "trainer.lr_schedule=cosine")
+                 "rollout.group_size=8", "rollout.batch_size=8", "trainer.lr=0.005")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["steps"] == 40
@@ -80,7 +80,6 @@ def test_short_grpo_run_learns_and_cleans_up(tmp_path):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(40))
     assert all(r["max_staleness"] <= 1 for r in lines)
-    assert lines[-1]["train/lr"] < lines[0]["train/lr"] == 0.005      # the cosine schedule ran
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s"):
         assert key in lines[-1]
@@ -92,12 +91,19 @@ def test_resume_continues_steps_curve_and_data(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = tmp_path / "run" / "checkpoints"
     saved = json.loads((ckpt / "step-000004" / "rollout_state.json").read_text())
-    second = train(tmp_path, "trainer.steps=7", "trainer.resume=latest")
+    second = train(tmp_path, "trainer.steps=7", "trainer.resume=latest", "trainer.lr=0.004",
+                   "trainer.lr_schedule=cosine", "trainer.min_lr_ratio=0.1")
     assert second.returncode == 0, second.stderr[-3000:]
     result = last_json(second.stdout)
     assert result["first_step"] == 4 and result["steps"] == 7
-    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(7))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(7))
+    # the schedule goes on from the checkpoint's step (not from 0): steps 4-6 of a 7-step cosine decay
+    from trainer_bridge.config import TrainerConfig
+    from trainer_bridge.trainer import lr_at
+    cosine = TrainerConfig(steps=7, lr=0.004, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert [round(r["train/lr"], 9) for r in lines[4:]] == [round(lr_at(cosine, s), 9) for s in (4, 5, 6)]
+    assert lines[-1]["train/lr"] < lines[4]["train/lr"] < 0.004
     later = json.loads((ckpt / "step-000007" / "rollout_state.json").read_text())
     assert later["trainer_version"] == 7 and saved["trainer_version"] == 4
     assert (later["data"]["epoch"], later["data"]["cursor"]) > (saved["data"]["epoch"], saved["data"]["cursor"])
