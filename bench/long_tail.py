@@ -23,9 +23,10 @@ step is fixed, half grows with its tokens. 0.3 means rollout is 70% of a synchro
 (share < 0.1). --train-a/--train-b set them by hand instead.
 
 What bounds the speedup: with G_sync and G_async the generation time of a batch in each mode and T a
-train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when T = G_async. In terms of
-the train share S = T / (G_sync + T) and E = G_sync / G_async: speedup <= E / (1 - S) while S <= 1 / (1 + E)
-(generation bounds the async run), else <= 1 / S (training does: S = 0.5 caps it at 2).
+train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when
+T = G_async. In terms of the train share S = T / (G_sync + T) and E = G_sync / G_async: speedup <=
+E / (1 - S) while S <= 1 / (1 + E) (generation bounds the async run), else <= 1 / S (training does:
+S = 0.5 caps it at 2).
 How much faster async generation is, E, depends on how a decode step's cost grows with its rows: on a
 GPU nearly flat (a long tail of a few rows costs a full step, so E is large); on this CPU nearly linear
 past a few rows. E is sync_ms_per_token / async_ms_per_token: the sync tail averages ~10 rows a step;
@@ -358,8 +359,6 @@ async def bench(args, url, path) -> dict:
     gen_s_per_token = sum(batch_times) / max(sum(token_counts), 1)
     mean_batch_tokens = statistics.mean(sum(it["lengths"]) for it in items) * args.batch_size
     if args.train_a is None or args.train_b is None:
-        if not 0 < args.train_share < 1:
-            raise SystemExit(f"--train-share {args.train_share}: expected a fraction in (0, 1)")
         t_step = args.train_share / (1 - args.train_share) * gen_s_per_token * mean_batch_tokens
         a = t_step / 2
         b = a / mean_batch_tokens
@@ -458,6 +457,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--server-log", default=None)
     p.add_argument("--verbose", action="store_true", help="rollout.* logs at INFO")
     args = p.parse_args(argv)
+    if not 0 < args.train_share < 1:
+        p.error(f"--train-share {args.train_share}: expected a fraction in (0, 1)")
+    if args.warmup_batches < 1:
+        p.error(f"--warmup-batches {args.warmup_batches}: the train step is calibrated on at least 1")
     if args.verbose:
         import logging
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

@@ -140,8 +140,8 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope"])
 def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
-    """The fast path calls each family's own parameters through its own ops (fused RMSNorm, a rope
-    table, q/k norms for Qwen3): prefill and decode logits equal the model's own forward."""
+    """The fast path runs each family's own modules (its rotary_emb with llama3 scaling, Qwen3's q/k
+    norms) around its own attention and KV cache: prefill and decode logits equal the model's forward."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
     from inference_server.model_runner import DecoderRunner
