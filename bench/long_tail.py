@@ -1,10 +1,14 @@
 """Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
 
     python bench/long_tail.py [--steps 20] [--train-share 0.3] [--oversample 2.0] [--max-staleness 4]
-                              [--async-inflight 48] [--quick]
+                              [--async-inflight 48] [--servers 2] [--order abba] [--quick]
 
-One real server (`python -m inference_server`, --max-running-requests 64 --context-length 1200) with a
-tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000; built into a temp dir if absent).
+--servers (2) real servers (`python -m inference_server`, --max-running-requests 64 --context-length 1200,
+plus `process.cpu_share_args`: on 2 cores, one decode thread each and no split steps) behind one Router,
+the same servers for both modes, with a tiny random Qwen2 (hidden 256, 4 layers, 4/2 heads, vocab 4000;
+built into a temp dir if absent). One server alone splits a big step over two threads, which hand the
+GIL to each other at every op; two one-thread processes have a GIL each, and both modes gain from them
+(see "Server layout" below), so the baseline is the faster layout too.
 
 Workload: prompts "item N: ..." (a few tokens); every sample of every item has its own response length,
 `max_new_tokens` ~ LogNormal(ln(--median-tokens), --sigma) clipped to [16, 1024], ignore_eos, drawn
@@ -36,11 +40,15 @@ versions), so more groups break --max-staleness and are dropped: 48 wastes ~3.5%
 with no gain in rows (the staleness capacity holds them at ~44).
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
-     Router/ServerClient (same client as the manager), wait for all, train, push, repeat.
+     Router (least in flight: spread evenly over the servers; same client as the manager), wait for
+     all, train, push, repeat.
  (b) async: RolloutManager (max_inflight = --async-inflight, oversample, max_staleness, update_policy,
      abort_fraction), trainer_version =
      the server's version at its start; per step next_batch -> train -> push -> on_weights_updated, while
      the manager keeps generating.
+ Order (--order abba): half of (a)'s steps, then (b), then the other half of (a) on the next items, so
+ that a drift in this VM's speed over the run (it swings by 10-25% between minutes) weighs on both modes
+ alike; --order ab runs all of (a) first.
 
 Metrics: samples/s = trained samples / wall (first request to last push); busy ratio = delta of the
 server's stats.busy_seconds / wall; max staleness of any trained sample at consumption
@@ -57,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -125,14 +134,14 @@ async def zero_reward(sample) -> float:
 class Trainer:
     """Sleeps like a train step, then pushes real weights; the version numbering runs across modes."""
 
-    def __init__(self, path: Path, url: str, version: int, a: float, b: float, bucket_bytes: int):
+    def __init__(self, path: Path, urls: list[str], version: int, a: float, b: float, bucket_bytes: int):
         import torch
         from transformers import AutoModelForCausalLM
 
         from weight_sync.sender import WeightSync
         self.torch = torch
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self.sync = WeightSync([url], bucket_bytes=bucket_bytes)
+        self.sync = WeightSync(urls, bucket_bytes=bucket_bytes)
         self.version, self.a, self.b = version, a, b
         self.train_s = self.push_s = 0.0
         self.push_times: list[float] = []
@@ -160,16 +169,21 @@ class Trainer:
         self.sync.close()
 
 
-async def server_stats(client) -> dict:
-    info = await client.get("/get_server_info")
-    return {**info["stats"], "weight_version": int(info["weight_version"])}
+async def server_stats(router) -> dict:
+    """The servers' counters, summed; the version is the lowest any server holds."""
+    infos = await asyncio.gather(*(c.get("/get_server_info") for c in router.clients))
+    total: dict = {}
+    for info in infos:
+        for k, v in info["stats"].items():
+            if isinstance(v, (int, float)):
+                total[k] = total.get(k, 0) + v
+    return {**total, "weight_version": min(int(info["weight_version"]) for info in infos)}
 
 
 # ---- (a) synchronous ----------------------------------------------------------------------------
 async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None):
     """One batch: every sample requested at once; returns samples, per-sample completion times, tokens."""
     from rollout.types import Sample, SampleStatus
-    client = router.pick()
     t0 = time.monotonic() if t_start is None else t_start
     samples = []
     for _ in range(cfg.batch_size):
@@ -181,6 +195,7 @@ async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None)
 
     async def one(s):
         params = {**cfg.sampling_params(), "max_new_tokens": s.metadata["lengths"][s.index]}
+        client = router.pick()           # least in flight: the batch spreads evenly over the servers
         with router.track(client):
             gen = await client.generate(s.input_ids, params, f"sync-{s.uid}")
         s.append_generated(gen.output_ids, gen.logprobs, gen.versions)
@@ -190,15 +205,12 @@ async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None)
     return samples, done, sum(s.num_generated for s in samples)
 
 
-async def run_sync(url, tokenizer, items, cfg, trainer, steps):
+async def run_sync(urls, tokenizer, data, cfg, trainer, steps, first_step: int = 0):
     from rollout.client import ServerClient
-    from rollout.data import PromptSource
     from rollout.router import Router
-    router = Router([ServerClient(url, timeout_s=600)])
-    data = PromptSource(items, seed=0, shuffle=False)
-    client = router.clients[0]
+    router = Router([ServerClient(u, timeout_s=600) for u in urls])
     trainer.reset_counters()
-    s0 = await server_stats(client)
+    s0 = await server_stats(router)
     t0 = time.monotonic()
     trained, max_stale, tokens, gen_s, per_step = 0, 0, 0, 0.0, []
     try:
@@ -213,10 +225,10 @@ async def run_sync(url, tokenizer, items, cfg, trainer, steps):
             await trainer.step(tok)
             per_step.append({"gen_s": round(g, 2), "median_done_s": round(statistics.median(done), 2),
                              "tokens": tok, "max_len": max(len(s.response_ids) for s in samples)})
-            log(f"sync step {step}: gen {g:.2f}s (median sample done {statistics.median(done):.2f}s), "
+            log(f"sync step {first_step + step}: gen {g:.2f}s (median sample done {statistics.median(done):.2f}s), "
                 f"{tok} tokens, longest {per_step[-1]['max_len']}, trainer at v{trainer.version}")
         wall = time.monotonic() - t0
-        s1 = await server_stats(client)
+        s1 = await server_stats(router)
     finally:
         await router.close()
     return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
@@ -226,8 +238,19 @@ async def run_sync(url, tokenizer, items, cfg, trainer, steps):
             "mean_len": tokens / trained, "server_version_end": s1["weight_version"]}
 
 
+def merge_runs(parts: list[dict]) -> dict:
+    """The two halves of an ABBA sync run as one."""
+    out = dict(parts[-1])
+    for k in ("wall_s", "samples", "tokens", "busy_s", "gen_s", "train_s", "server_steps", "server_tokens", "push_s"):
+        out[k] = sum(p[k] for p in parts)
+    out["max_staleness"] = max(p["max_staleness"] for p in parts)
+    out["per_step"] = [s for p in parts for s in p["per_step"]]
+    out["mean_len"] = out["tokens"] / out["samples"]
+    return out
+
+
 # ---- (b) asynchronous ---------------------------------------------------------------------------
-async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: bool):
+async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity: bool):
     from rollout.client import ServerClient
     from rollout.data import PromptSource
     from rollout.filters import keep_all
@@ -245,11 +268,10 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
     def on_drop(group, reason):
         dropped.update((s.uid, reason) for s in group.samples)
 
-    router = Router([ServerClient(url, timeout_s=600)])
+    router = Router([ServerClient(u, timeout_s=600) for u in urls])
     m = RolloutManager(cfg, router, PromptSource(items, seed=0, shuffle=False), tokenizer, zero_reward,
                        rollout_fn=tracked, group_filter=keep_all, on_drop=on_drop)
-    client = router.clients[0]
-    s0 = await server_stats(client)
+    s0 = await server_stats(router)
     m.trainer_version = s0["weight_version"]
     if align_capacity:
         # The manager's start bound (_may_start) counts versions from 0; keep it meaningful when the
@@ -286,10 +308,10 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
                 f"ready {metrics['groups_ready']}, "
                 f"drops {metrics['drops']}, trainer at v{version}, inflight at update {n_inflight}")
         wall = time.monotonic() - t0
-        s1 = await server_stats(client)
+        s1 = await server_stats(router)
     finally:
         await m.stop()
-        s2 = await server_stats(client)
+        s2 = await server_stats(router)
         await router.close()
     pending_samples = [s for g in [*m.ready, *m.resume, *m.running.values()] for s in g.samples]
     pending = {s.uid for s in pending_samples}
@@ -321,7 +343,7 @@ async def run_async(url, tokenizer, items, cfg, trainer, steps, align_capacity: 
 
 
 # ---- main ---------------------------------------------------------------------------------------
-async def bench(args, url, path) -> dict:
+async def bench(args, urls, path) -> dict:
     from transformers import AutoTokenizer
 
     from rollout.client import ServerClient
@@ -345,7 +367,7 @@ async def bench(args, url, path) -> dict:
 
     # warm-up + calibration: --warmup-batches untimed sync batches of other items; their generation time
     # per token, pooled (one batch's time hangs on its longest sample)
-    router = Router([ServerClient(url, timeout_s=600)])
+    router = Router([ServerClient(u, timeout_s=600) for u in urls])
     warm_items = make_items(args.batch_size * args.warmup_batches, args.group_size, args.seed, args.median_tokens,
                             args.sigma, offset=10_000_000)
     warm_data = PromptSource(warm_items, shuffle=False)
@@ -354,7 +376,7 @@ async def bench(args, url, path) -> dict:
         samples, done, n = await sync_batch(router, warm_data, tokenizer, sync_cfg)
         batch_times.append(max(done))
         token_counts.append(n)
-    v0 = (await server_stats(router.clients[0]))["weight_version"]
+    v0 = (await server_stats(router))["weight_version"]
     await router.close()
     gen_s_per_token = sum(batch_times) / max(sum(token_counts), 1)
     mean_batch_tokens = statistics.mean(sum(it["lengths"]) for it in items) * args.batch_size
@@ -368,11 +390,18 @@ async def bench(args, url, path) -> dict:
         f"tokens ({1000 * gen_s_per_token:.3f} ms a token); mean batch {mean_batch_tokens:.0f} tokens; "
         f"train step = {a:.3f} + {b:.2e} * tokens s; server at version {v0}")
 
-    trainer = Trainer(path, url, v0, a, b, args.bucket_bytes)
+    trainer = Trainer(path, urls, v0, a, b, args.bucket_bytes)
     try:
         await trainer.step(0)            # untimed: allocates the push buffers (first push is slower)
-        sync = await run_sync(url, tokenizer, items, sync_cfg, trainer, args.steps)
-        asyn = await run_async(url, tokenizer, items, async_cfg, trainer, args.steps, args.align_capacity)
+        # ABBA: half the sync steps before the async run and half after, on the next items, so a
+        # drift in this machine's speed over the run weighs on both modes alike
+        sync_data = PromptSource(items, seed=0, shuffle=False)
+        first = args.steps // 2 if args.order == "abba" else args.steps
+        parts = [await run_sync(urls, tokenizer, sync_data, sync_cfg, trainer, first)]
+        asyn = await run_async(urls, tokenizer, items, async_cfg, trainer, args.steps, args.align_capacity)
+        if args.steps > first:
+            parts.append(await run_sync(urls, tokenizer, sync_data, sync_cfg, trainer, args.steps - first, first))
+        sync = merge_runs(parts)
     finally:
         trainer.close()
     sync_sps, async_sps = sync["samples"] / sync["wall_s"], asyn["samples"] / asyn["wall_s"]
@@ -381,8 +410,8 @@ async def bench(args, url, path) -> dict:
         "sync_samples_per_s": round(sync_sps, 3),
         "async_samples_per_s": round(async_sps, 3),
         "speedup": round(async_sps / sync_sps, 3),
-        "sync_busy_ratio": round(sync["busy_s"] / sync["wall_s"], 3),
-        "async_busy_ratio": round(asyn["busy_s"] / asyn["wall_s"], 3),
+        "sync_busy_ratio": round(sync["busy_s"] / sync["wall_s"] / len(urls), 3),
+        "async_busy_ratio": round(asyn["busy_s"] / asyn["wall_s"] / len(urls), 3),
         "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
         "staleness_bound": async_cfg.max_staleness,
         "samples_lost": asyn["samples_lost"],
@@ -416,11 +445,11 @@ async def bench(args, url, path) -> dict:
         "async_server_gen_tokens": asyn["server_tokens"], "async_server_prompt_tokens": asyn["server_prompt_tokens"],
         "tokens_resumed": asyn["tokens_resumed"],
         "mean_inflight_at_batch": round(asyn["mean_inflight_at_batch"], 1),
-        "server_version_start": v0, "server_version_end": asyn["server_version_end"],
+        "server_version_start": v0, "server_version_end": max(sync["server_version_end"], asyn["server_version_end"]),
         "train_a_s": round(a, 4), "train_b_s_per_token": float(f"{b:.3e}"),
         "warmup_batch_s": [round(t, 2) for t in batch_times], "warmup_ms_per_token": round(1000 * gen_s_per_token, 3),
         "train_share_target": args.train_share, "mean_batch_tokens": round(mean_batch_tokens),
-        "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
+        "servers": len(urls), "steps": args.steps, "batch_size": args.batch_size, "group_size": args.group_size,
         "oversample": args.oversample, "async_inflight": async_cfg.max_inflight, "update_policy": args.update_policy, "abort_fraction": args.abort_fraction,
         "model": dict(MODEL), "median_tokens": args.median_tokens, "sigma": args.sigma, "align_capacity": args.align_capacity,
     }
@@ -452,6 +481,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-align-capacity", dest="align_capacity", action="store_false")
     p.add_argument("--hidden", type=int, default=None, help="model width (default 256; heads = hidden/64)")
     p.add_argument("--layers", type=int, default=None, help="model depth (default 4)")
+    p.add_argument("--servers", type=int, default=2,
+                   help="server processes behind the router (> 1: each decodes on one thread, no split)")
+    p.add_argument("--order", default="abba", choices=["abba", "ab"],
+                   help="abba: half the sync steps, the async run, the other half (cancels a drift in the "
+                        "machine's speed); ab: all sync steps, then async")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 steps, batch 8")
     p.add_argument("--server-log", default=None)
@@ -468,13 +502,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.steps, args.batch_size = 4, 8
 
-    from inference_server.process import ServerProcess
+    from inference_server.process import ServerProcess, cpu_share_args
     path = model_dir(args.hidden, args.layers)
-    server_args = ["--max-running-requests", str(args.max_running), "--context-length", "1200"]
+    server_args = ["--max-running-requests", str(args.max_running), "--context-length", "1200",
+                   *cpu_share_args(args.servers)]
     t = time.monotonic()
-    with ServerProcess(path, args=server_args, log_path=args.server_log) as srv:
-        log(f"server up at {srv.url} in {time.monotonic() - t:.1f}s")
-        result = asyncio.run(bench(args, srv.url, path))
+    with contextlib.ExitStack() as stack:
+        urls = []
+        for i in range(args.servers):
+            log_path = f"{args.server_log}.{i}" if args.server_log and args.servers > 1 else args.server_log
+            urls.append(stack.enter_context(ServerProcess(path, args=server_args, log_path=log_path)).url)
+        log(f"{args.servers} server(s) up at {', '.join(urls)} in {time.monotonic() - t:.1f}s")
+        result = asyncio.run(bench(args, urls, path))
     print(json.dumps(result), flush=True)
 
 

@@ -12,6 +12,21 @@ from pathlib import Path
 import httpx
 
 
+def cpu_share_args(num_servers: int) -> list[str]:
+    """Server flags for `num_servers` processes sharing this machine's cores (ignored off CPU).
+
+    A server alone uses all but one core for a step (engine.cpu_threads) and, on one thread, splits
+    big steps over a helper thread. N servers each take cores // N: one thread fewer for the step,
+    and no split when that leaves them a single core. On 2 cores, two one-thread servers beat one
+    split server in both modes of bench/long_tail.py (the split's two threads hand the GIL to each
+    other at every op; two processes have a GIL each)."""
+    if num_servers <= 1:
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // num_servers)
+    return ["--cpu-threads", str(max(1, share - 1))] + (["--no-cpu-split"] if share < 2 else [])
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))

@@ -109,10 +109,13 @@ def test_resume_continues_steps_curve_and_data(tmp_path):
     assert (later["data"]["epoch"], later["data"]["cursor"]) > (saved["data"]["epoch"], saved["data"]["cursor"])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_no_server_survives_an_interrupted_launch(tmp_path, sig):
+@pytest.mark.parametrize("sig, num_servers", [(signal.SIGINT, 1), (signal.SIGTERM, 2)])
+def test_no_server_survives_an_interrupted_launch(tmp_path, sig, num_servers):
+    """Every server the launch started dies with it; N servers share the CPU's cores (on 2 cores: one
+    decode thread each, no split steps, rather than 2 x 2 threads fighting over 2 cores)."""
+    from inference_server.process import cpu_share_args
     cmd = [sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
-           f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=500"]
+           f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=500", f"server.num_servers={num_servers}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "WANDB_MODE": "offline"})
     try:
@@ -122,7 +125,11 @@ def test_no_server_survives_an_interrupted_launch(tmp_path, sig):
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
-        assert servers_of(tmp_path), "the launch started its servers"
+        assert len(servers_of(tmp_path)) == num_servers, "the launch started its servers"
+        for pid in servers_of(tmp_path):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            share = cpu_share_args(num_servers)
+            assert not share or " ".join(share) in " ".join(argv), argv
         proc.send_signal(sig)
         proc.wait(timeout=120)
     finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from inference_server.process import ServerProcess
+from inference_server.process import ServerProcess, cpu_share_args
 from rollout.agent import RolloutFn, single_turn
 from rollout.client import ServerClient
 from rollout.config import RolloutConfig
@@ -158,6 +158,7 @@ class RolloutBackend:
                 "--weight-version", str(version), "--weight-sync-protocol", self.cfg.weight_sync.protocol]
         if s.api_key:
             args += ["--api-key", s.api_key]
+        args += cpu_share_args(s.num_servers)
         log_dir = Path(self.cfg.log_dir or tempfile.mkdtemp(prefix="riptide-servers-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         for i in range(s.num_servers):
