@@ -508,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not 0 < args.train_share < 1:
         p.error(f"--train-share {args.train_share}: expected a fraction in (0, 1)")
+    if args.servers < 1:
+        p.error(f"--servers {args.servers}: expected at least 1")
     if args.warmup_batches < 1:
         p.error(f"--warmup-batches {args.warmup_batches}: the train step is calibrated on at least 1")
     if args.verbose:
