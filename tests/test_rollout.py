@@ -108,13 +108,20 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
     async def main():
         m = manager([url], tokenizer, max_new_tokens=1000, update_policy="abort_all", max_staleness=2,
                     batch_size=2, oversample=1.0)
+        client = m.router.clients[0]
+        tokens0 = (await client.get("/get_server_info"))["stats"]["generation_tokens"]
         await m.start()
-        while len(m.inflight) < 8:
+        while len(m.inflight) < 8 or \
+                (await client.get("/get_server_info"))["stats"]["generation_tokens"] < tokens0 + 8 * 4:
             await asyncio.sleep(0.01)
+        # hold the requests where they are (KV kept) while the push runs, so none can finish its
+        # 1000 tokens before the new version lands, however slow the push is on a busy machine
+        await client._post("/pause_generation", {"mode": "in_place"})
         sync = WeightSync([url], bucket_bytes=1 << 20)
         await asyncio.to_thread(sync.push, new, version)
         sync.close()
         await m.on_weights_updated(version, wait=True)
+        await client._post("/continue_generation", {})
         groups, metrics = await m.next_batch()
         await m.stop()
         return groups, metrics
