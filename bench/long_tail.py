@@ -46,7 +46,7 @@ run does ~6% better than in tokens, since what it drops as stale are long sample
 --async-inflight: 48 runs ~20 rows a step on each server; 64 only ~21 (the groups in progress,
 batch_size x oversample, hold them); --oversample 2.5 gives 23.5 rows but drops 8.5% of tokens as
 stale. --steps (40): the pipeline's depth weighs 1/steps; at 20 steps the speedup was 2.46-2.58 (7
-runs, median 2.55) with 3.7% of tokens dropped as stale, at 40 2.54-2.66 (4 runs, median 2.64) with 6.2%
+runs, median 2.55) with 3.7% of tokens dropped as stale, at 40 2.54-2.81 (7 runs, median 2.66) with 6.2%
 (the steady state has more long samples in flight). A real job runs hundreds of steps.
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
