@@ -182,6 +182,12 @@ class Trainer:
         self.sync.close()
 
 
+def make_router(urls: list[str]):
+    from rollout.client import ServerClient
+    from rollout.router import Router
+    return Router([ServerClient(u, timeout_s=600) for u in urls])
+
+
 async def server_stats(router) -> dict:
     """The servers' counters, summed; the version is the lowest any server holds."""
     infos = await asyncio.gather(*(c.get("/get_server_info") for c in router.clients))
@@ -219,9 +225,7 @@ async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None)
 
 
 async def run_sync(urls, tokenizer, data, cfg, trainer, steps, first_step: int = 0):
-    from rollout.client import ServerClient
-    from rollout.router import Router
-    router = Router([ServerClient(u, timeout_s=600) for u in urls])
+    router = make_router(urls)
     trainer.reset_counters()
     s0 = await server_stats(router)
     t0 = time.monotonic()
@@ -264,11 +268,9 @@ def merge_runs(parts: list[dict]) -> dict:
 
 # ---- (b) asynchronous ---------------------------------------------------------------------------
 async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity: bool):
-    from rollout.client import ServerClient
     from rollout.data import PromptSource
     from rollout.filters import keep_all
     from rollout.manager import RolloutManager
-    from rollout.router import Router
 
     started: set[str] = set()
 
@@ -281,7 +283,7 @@ async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity:
     def on_drop(group, reason):
         dropped.update((s.uid, reason) for s in group.samples)
 
-    router = Router([ServerClient(u, timeout_s=600) for u in urls])
+    router = make_router(urls)
     m = RolloutManager(cfg, router, PromptSource(items, seed=0, shuffle=False), tokenizer, zero_reward,
                        rollout_fn=tracked, group_filter=keep_all, on_drop=on_drop)
     s0 = await server_stats(router)
@@ -359,10 +361,8 @@ async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity:
 async def bench(args, urls, path) -> dict:
     from transformers import AutoTokenizer
 
-    from rollout.client import ServerClient
     from rollout.config import RolloutConfig
     from rollout.data import PromptSource
-    from rollout.router import Router
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     common = dict(group_size=args.group_size, batch_size=args.batch_size, max_inflight=args.max_running,
@@ -380,7 +380,7 @@ async def bench(args, urls, path) -> dict:
 
     # warm-up + calibration: --warmup-batches untimed sync batches of other items; their generation time
     # per token, pooled (one batch's time hangs on its longest sample)
-    router = Router([ServerClient(u, timeout_s=600) for u in urls])
+    router = make_router(urls)
     warm_items = make_items(args.batch_size * args.warmup_batches, args.group_size, args.seed, args.median_tokens,
                             args.sigma, offset=10_000_000)
     warm_data = PromptSource(warm_items, shuffle=False)

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from inference_server import weights
-from inference_server.device import choose_device, choose_dtype
+from inference_server.device import choose_device, choose_dtype, usable_cores
 from inference_server.model_runner import CALL_COST, chunk_cost, make_runner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
@@ -100,11 +100,7 @@ def cpu_threads(requested: int | None) -> int | None:
         return requested
     if os.environ.get("OMP_NUM_THREADS"):
         return None                      # the user's explicit setting, which torch already follows
-    return max(1, _cores() - 1)
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, usable_cores() - 1)
 
 
 class Engine:
@@ -119,7 +115,7 @@ class Engine:
         self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.cpu_threads = cpu_threads(args.cpu_threads) if self.device.type == "cpu" else None
         self.runner = make_runner(self.model, args.max_running_requests, self.context_length)
-        if (args.cpu_split and self.cpu_threads == 1 and _cores() >= 2 and hasattr(self.runner, "enable_split")):
+        if (args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2 and hasattr(self.runner, "enable_split")):
             self.runner.enable_split(threads=1)
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)

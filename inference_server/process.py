@@ -22,8 +22,8 @@ def cpu_share_args(num_servers: int) -> list[str]:
     other at every op; two processes have a GIL each)."""
     if num_servers <= 1:
         return []
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = max(1, cores // num_servers)
+    from inference_server.device import usable_cores
+    share = max(1, usable_cores() // num_servers)
     return ["--cpu-threads", str(max(1, share - 1))] + (["--no-cpu-split"] if share < 2 else [])
 
 
