@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import asdict
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 import httpx
 from fastapi import Depends, FastAPI, Request
@@ -218,11 +218,13 @@ class Server:
                 events.put_nowait, (i, len(seq.output_ids), seq.finished))
         return events
 
-    async def run(self, seqs: list[Sequence]) -> None:
-        """Wait for every sequence to finish; abort them if the caller goes away."""
+    async def run(self, seqs: list[Sequence], disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Wait for every sequence to finish; abort them if the caller goes away (cancelled, or
+        `disconnected()` turns true: a client that gave up on a frozen server and moved on)."""
         events = self.attach(seqs)
         await asyncio.wrap_future(self.engine.add(seqs))
         pending = len(seqs)
+        watch = asyncio.ensure_future(self._abort_on_disconnect(seqs, disconnected)) if disconnected else None
         try:
             while pending:
                 _, _, finished = await events.get()
@@ -231,6 +233,14 @@ class Server:
             for s in seqs:
                 self.engine.abort(s.rid)
             raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _abort_on_disconnect(self, seqs: list[Sequence], disconnected) -> None:
+        while not await disconnected():
+            await asyncio.sleep(1.0)
+        self.engine.abort([s.rid for s in seqs])
 
     async def stream(self, seqs: list[Sequence], flags: list[bool], batch: bool) -> AsyncIterator[str]:
         events = self.attach(seqs)
@@ -250,11 +260,11 @@ class Server:
                 for s in seqs:
                     self.engine.abort(s.rid)
 
-    async def generate(self, req: GenerateReqInput):
+    async def generate(self, req: GenerateReqInput, disconnected=None):
         seqs, flags, batch = self.sequences(req)
         if req.stream:
             return StreamingResponse(self.stream(seqs, flags, batch), media_type="text/event-stream")
-        await self.run(seqs)
+        await self.run(seqs, disconnected)
         outs = [self.output(s, len(s.output_ids), f) for s, f in zip(seqs, flags)]
         return outs if batch else outs[0]
 
@@ -318,8 +328,8 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     # ---- generation -----------------------------------------------------------------------
     @app.post("/generate")
-    async def generate(req: GenerateReqInput = body(GenerateReqInput)):
-        return await server.generate(req)
+    async def generate(request: Request, req: GenerateReqInput = body(GenerateReqInput)):
+        return await server.generate(req, request.is_disconnected)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest = body(CompletionRequest)):
@@ -383,8 +393,16 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     @app.get("/health_generate")
     async def health_generate():
+        """OK once the engine makes progress: two steps if it is busy (the probe need not wait for a
+        slot), else the probe's own token. A hung engine never answers; callers time out."""
+        steps = engine.stats.steps
         seq = Sequence(f"health-{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0))
-        await asyncio.wait_for(server.run([seq]), timeout=60)
+        probe = asyncio.ensure_future(server.run([seq]))
+        try:
+            while not probe.done() and engine.stats.steps < steps + 2:
+                await asyncio.wait({probe}, timeout=0.05)
+        finally:
+            probe.cancel()
         return {"status": "ok"}
 
     @app.get("/get_model_info")
@@ -414,7 +432,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
 
 def add_weight_sync_routes(app: FastAPI, engine: Engine, receiver, api_key: str | None) -> None:
-    from weight_sync.protocol import ApplyRequest, CommitRequest, OpenRequest, PushToRequest, VersionRequest
+    from weight_sync.protocol import ApplyRequest, CommitRequest, OpenRequest, PrepareRequest, PushToRequest, UpdateRef
 
     @app.post("/weight_sync/open")
     async def ws_open(req: OpenRequest = body(OpenRequest)):
@@ -426,8 +444,8 @@ def add_weight_sync_routes(app: FastAPI, engine: Engine, receiver, api_key: str 
         return {"success": True}
 
     @app.post("/weight_sync/prepare")
-    async def ws_prepare(req: VersionRequest = body(VersionRequest)):
-        await asyncio.to_thread(receiver.prepare, req.version)
+    async def ws_prepare(req: PrepareRequest = body(PrepareRequest)):
+        await asyncio.to_thread(receiver.prepare, req)
         return {"success": True}
 
     @app.post("/weight_sync/commit")
@@ -435,8 +453,8 @@ def add_weight_sync_routes(app: FastAPI, engine: Engine, receiver, api_key: str 
         return (await asyncio.to_thread(receiver.commit, req)).model_dump()
 
     @app.post("/weight_sync/abort")
-    async def ws_abort(req: VersionRequest = body(VersionRequest)):
-        receiver.abort(req.version)
+    async def ws_abort(req: UpdateRef = body(UpdateRef)):
+        await asyncio.to_thread(receiver.abort, req)
         return {"success": True}
 
     @app.get("/weight_sync/status")

@@ -13,6 +13,7 @@ import uvicorn
 
 from inference_server.engine import Engine, EngineArgs
 from inference_server.http_server import create_app, is_loopback
+from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
 from weight_sync.transports.mooncake import MooncakeTransport
 
@@ -78,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                                load_weights=a.weights_from_peer is None))
     receiver = Receiver(engine, functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
                                                   a.weight_sync_protocol, a.weight_sync_device),
-                        shadow=a.weight_sync_mode == "shadow")
+                        shadow=a.weight_sync_mode == "shadow",
+                        peer_status=functools.partial(receiver_status, api_key=a.api_key))
     app = create_app(engine, a.model_path, a.host, a.api_key, receiver=receiver,
                      weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
     if not is_loopback(a.host) and a.api_key is None:

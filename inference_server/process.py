@@ -80,6 +80,7 @@ class ServerProcess:
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, signal.SIGCONT)     # a frozen server must wake to see the SIGTERM
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -99,11 +99,11 @@ def test_two_servers_both_flip_and_stale_versions_are_refused(fresh_server, new_
     sync = sync_to(a.url, b.url)
     try:
         stats = sync.push(new_model, version=3)
-        assert set(stats.stall_s) == {a.url, b.url}
+        assert set(stats.stall_s) == {a.url, b.url} and stats.serving == {a.url: 3, b.url: 3}
         assert version(a.url) == version(b.url) == 3
         assert greedy(a.url)["output_ids"] == greedy(b.url)["output_ids"] == reference(new_model)
-        with pytest.raises(WeightSyncError, match="not newer"):
-            sync.push(new_model, version=3)
+        again = sync.push(new_model, version=3)     # the version they serve: nothing to send
+        assert again.bytes == 0 and again.serving == {a.url: 3, b.url: 3}
         with pytest.raises(WeightSyncError, match="not newer"):
             sync.push(new_model, version=2)
     finally:
@@ -209,14 +209,15 @@ def test_frozen_receiver_times_out_with_its_name(fresh_server, new_model):
     from weight_sync.sender import WeightSyncError
     live, frozen = fresh_server(), fresh_server()
     os.kill(frozen.proc.pid, signal.SIGSTOP)
+    hop = 4.0
     try:
-        sync = sync_to(live.url, frozen.url, timeout_s=3)
+        sync = sync_to(live.url, frozen.url, timeout_s=hop)
         t0 = time.monotonic()
         with pytest.raises(WeightSyncError, match=frozen.url.replace(".", r"\.")):
             sync.push(new_model, version=1)
-        assert time.monotonic() - t0 < 30
+        # one hop timeout: the abort to the frozen server goes out in the background, not waited on
+        assert time.monotonic() - t0 < 1.5 * hop
         assert version(live.url) == 0, "nobody flips unless the caller allows a partial update"
-        stats = sync.push(new_model, version=1) if False else None
         sync.close()
         partial = sync_to(live.url, frozen.url, timeout_s=3, allow_partial=True)
         stats = partial.push(new_model, version=2)
@@ -316,4 +317,222 @@ def test_colocated_push_through_the_in_process_transport(tiny_model, new_model):
         assert seq.output_ids == reference(new_model) and set(seq.output_versions) == {7}
     finally:
         sync.close()
+        engine.shutdown()
+
+
+FREEZING_SENDER = textwrap.dedent("""
+    import os, signal, sys
+    from transformers import AutoModelForCausalLM
+    from weight_sync.sender import WeightSync
+    from weight_sync.transports import MooncakeTransport
+
+    class FreezesMidPush(MooncakeTransport):
+        writes = 0
+        def write(self, peer, ops, timeout_s):
+            FreezesMidPush.writes += 1
+            if FreezesMidPush.writes == 3:        # a few buckets in: stop this whole process
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return super().write(peer, ops, timeout_s)
+
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+    sync = WeightSync(sys.argv[1].split(","), transport=FreezesMidPush(), bucket_bytes=int(sys.argv[3]), timeout_s=10)
+    sync.push(model, version=1)
+""")
+
+
+def stopped(pid) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def wait_for(predicate, timeout_s=60.0, every=0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(every)
+    return False
+
+
+def test_late_sender_never_reaches_live_weights(fresh_server, tiny_model_v2, hf_model, tmp_path):
+    """A sender frozen (SIGSTOP) mid-push of version 1 wakes after a fresh sender committed version
+    2: its remaining writes and calls must not touch the weights that serve."""
+    a, b = fresh_server(), fresh_server()
+    script = tmp_path / "sender.py"
+    script.write_text(FREEZING_SENDER)
+    zombie = subprocess.Popen([sys.executable, str(script), f"{a.url},{b.url}", tiny_model_v2, str(BUCKET)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 120), "the sender never froze"
+        sync = sync_to(a.url, b.url)
+        try:
+            sync.push({n: p + 0.01 for n, p in hf_model.state_dict().items()}, version=2)
+        finally:
+            sync.close()
+        committed = [live_digest(a.url), live_digest(b.url)]
+        assert committed[0] == committed[1]
+        os.kill(zombie.pid, signal.SIGCONT)
+        out, _ = zombie.communicate(timeout=120)
+        assert zombie.returncode != 0, "the late sender's update cannot commit"
+        assert b"WeightSyncError" in out, out.decode()[-3000:]
+    finally:
+        if zombie.poll() is None:
+            os.kill(zombie.pid, signal.SIGKILL)
+            os.kill(zombie.pid, signal.SIGCONT)
+            zombie.wait()
+    assert version(a.url) == version(b.url) == 2
+    assert [live_digest(a.url), live_digest(b.url)] == committed
+
+
+class _FreezesAfterPrepare:
+    """An HTTP receiver client that stops the receiver's process (SIGSTOP) once it has prepared."""
+
+    def __new__(cls, url, pid, timeout_s):
+        from weight_sync.clients import HttpReceiverClient
+
+        class _C(HttpReceiverClient):
+            def prepare(self, req):
+                super().prepare(req)
+                os.kill(pid, signal.SIGSTOP)
+        return _C(url, timeout_s)
+
+
+def test_split_commit_reaches_every_prepared_server(fresh_server, new_model, tmp_path):
+    """One receiver frozen between prepare and commit: the push says who serves what; the frozen one
+    commits once it wakes (nothing else: never the abort); pushing the same version again is a no-op."""
+    from weight_sync.clients import HttpReceiverClient
+    from weight_sync.sender import CommitIncomplete, WeightSync
+    a, b = fresh_server(), fresh_server()
+    before = live_digest(b.url)
+    sync = WeightSync([HttpReceiverClient(a.url, 3), _FreezesAfterPrepare(b.url, b.proc.pid, 3)], bucket_bytes=BUCKET,
+                      timeout_s=3)
+    try:
+        with pytest.raises(CommitIncomplete) as e:
+            sync.push(new_model, version=1)
+        assert e.value.stats.serving == {a.url: 1, b.url: 0} and list(e.value.stats.pending) == [b.url]
+        assert b.url in str(e.value) and "push" in str(e.value)
+        assert version(a.url) == 1
+        assert stopped(b.proc.pid) and live_digest(a.url) != before
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    assert wait_for(lambda: version(b.url) == 1, 60), "the frozen receiver never learned the commit"
+    assert live_digest(b.url) == live_digest(a.url)
+    again = sync_to(a.url, b.url)
+    try:
+        stats = again.push(new_model, version=1)
+    finally:
+        again.close()
+        sync.close()
+    assert stats.serving == {a.url: 1, b.url: 1} and stats.bytes == 0
+    assert greedy(b.url)["output_ids"] == reference(new_model)
+
+
+class _LosesCommit:
+    """An HTTP receiver client whose commit never reaches the receiver (a lost message)."""
+
+    def __new__(cls, url, timeout_s):
+        from weight_sync.clients import HttpReceiverClient, ReceiverCallError
+
+        class _C(HttpReceiverClient):
+            def commit(self, req):
+                raise ReceiverCallError(self.name, "/commit: connection reset (lost)")
+        return _C(url, timeout_s)
+
+
+@pytest.mark.parametrize("how", ["push_again", "ask_peers"])
+def test_a_prepared_server_that_missed_the_commit_completes(fresh_server, new_model, how):
+    """The commit to b is lost and the sender gives up on it (closed). Either the same version is
+    pushed again, which completes b, or b, hearing nothing, asks its peer and commits on its own."""
+    from weight_sync.clients import HttpReceiverClient
+    from weight_sync.sender import CommitIncomplete, WeightSync
+    a, b = fresh_server(), fresh_server()
+    sync = WeightSync([HttpReceiverClient(a.url, 2), _LosesCommit(b.url, 2)], bucket_bytes=BUCKET, timeout_s=2)
+    with pytest.raises(CommitIncomplete):
+        sync.push(new_model, version=1)
+    sync.close()
+    assert httpx.get(f"{b.url}/weight_sync/status").json()["stage"] == "prepared" and version(b.url) == 0
+    if how == "push_again":
+        again = sync_to(a.url, b.url, timeout_s=2)
+        try:
+            stats = again.push(new_model, version=1)
+        finally:
+            again.close()
+        assert stats.serving == {a.url: 1, b.url: 1} and stats.bytes > 0
+    else:
+        assert wait_for(lambda: version(b.url) == 1, 60), "b never asked its peer"
+    assert version(b.url) == 1 and live_digest(b.url) == live_digest(a.url)
+    assert greedy(b.url)["output_ids"] == reference(new_model)
+
+
+def test_receiver_refuses_every_illegal_transition(tiny_model):
+    """idle -> open -> staged -> prepared -> committed | aborted, on a receiver in this process."""
+    from inference_server.engine import Engine, EngineArgs
+    from weight_sync import weights_of
+    from weight_sync.bucket import pack, digest, plan_buckets, TensorSpec
+    from weight_sync.protocol import (ApplyRequest, CommitRequest, ErrorKind, OpenRequest, PrepareRequest,
+                                      UpdateRef)
+    from weight_sync.receiver import Receiver, ReceiverError
+    from weight_sync.transports import InProcessTransport, TransportError, WriteOp
+    engine = Engine(EngineArgs(tiny_model, context_length=256))
+    engine.start()
+    transport = InProcessTransport()
+    r = Receiver(engine, lambda: transport)
+    tensors = {n: t.clone() for n, t in weights_of(engine.model).items()}
+    local = torch.empty(BUCKET, dtype=torch.uint8)
+    transport.register(local)
+
+    def refused(kind, fn, *args):
+        with pytest.raises(ReceiverError) as e:
+            fn(*args)
+        assert e.value.kind is kind, e.value
+
+    def open_(version, uid):
+        return r.open(OpenRequest(version=version, update_id=uid, bucket_bytes=BUCKET, num_slots=2, sender="t"))
+
+    def apply(version, uid, reply, k):
+        plan = plan_buckets([TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in reply.specs], BUCKET)
+        pack(plan[k], tensors, local)
+        transport.write(reply.session, [WriteOp(local.data_ptr(), reply.slot_addrs[k % 2], plan[k].nbytes)], 5)
+        r.apply(ApplyRequest(version=version, update_id=uid, bucket=k, slot=k % 2,
+                             digest=digest(local[:plan[k].nbytes])))
+        return len(plan)
+
+    try:
+        ref = dict(version=1, update_id="a")
+        refused(ErrorKind.SUPERSEDED, r.apply, ApplyRequest(**ref, bucket=0, slot=0, digest="x"))   # idle
+        refused(ErrorKind.SUPERSEDED, r.prepare, PrepareRequest(**ref))
+        refused(ErrorKind.SUPERSEDED, r.commit, CommitRequest(**ref))
+        refused(ErrorKind.CURRENT, open_, 0, "z")                        # the version it serves
+        reply = open_(1, "a")
+        assert r.stage.value == "open"
+        refused(ErrorKind.INCOMPLETE, r.prepare, PrepareRequest(**ref))
+        refused(ErrorKind.STATE, r.commit, CommitRequest(**ref))
+        refused(ErrorKind.SUPERSEDED, r.apply, ApplyRequest(version=1, update_id="other", bucket=0, slot=0, digest="x"))
+        refused(ErrorKind.DIGEST, r.apply, ApplyRequest(**ref, bucket=0, slot=0, digest="not-the-digest"))
+        buckets = apply(1, "a", reply, 0)
+        for k in range(1, buckets):
+            apply(1, "a", reply, k)
+        assert r.stage.value == "staged"
+        r.prepare(PrepareRequest(**ref))
+        r.prepare(PrepareRequest(**ref))                                # idempotent
+        with pytest.raises(TransportError):                             # its slots are closed to writes
+            apply(1, "a", reply, 0)
+        refused(ErrorKind.STATE, r.apply, ApplyRequest(**ref, bucket=0, slot=0, digest="x"))
+        assert r.commit(CommitRequest(**ref)).version == 1 and engine.version == 1
+        assert r.commit(CommitRequest(**ref)).version == 1              # a retried commit: done already
+        refused(ErrorKind.STATE, r.abort, UpdateRef(**ref))             # a commit cannot be undone
+        assert r.stage.value == "idle"
+        refused(ErrorKind.STALE, open_, 0, "old")
+        first = open_(2, "b")
+        second = open_(2, "c")                                          # the same version from a new sender
+        assert set(first.slot_addrs).isdisjoint(second.slot_addrs)
+        with pytest.raises(TransportError):                             # the replaced update's slots are closed
+            apply(2, "b", first, 0)
+        refused(ErrorKind.SUPERSEDED, r.apply, ApplyRequest(version=2, update_id="b", bucket=0, slot=0, digest="x"))
+        open_(3, "d")
+        refused(ErrorKind.STALE, open_, 2, "e")                         # older than the staged update
+        r.abort(UpdateRef(version=3, update_id="d"))
+        assert r.stage.value == "idle" and engine.version == 1
+    finally:
+        r.close()
         engine.shutdown()

@@ -115,8 +115,17 @@ class RolloutBackend:
 
     def push_weights(self, model, version: int):
         """Stream `model`'s weights into every server as `version` (two-phase: all flip or none),
-        then let the manager apply its in-flight policy. Returns the push's PushStats."""
-        stats = self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
+        then let the manager apply its in-flight policy. Returns the push's PushStats.
+
+        A push whose commit some server did not confirm has still committed `version` (every server
+        had prepared it): the run goes on, and those servers serve their old version, with tokens
+        labelled so, until the commit reaches them (`stats.pending` names them)."""
+        from weight_sync.sender import CommitIncomplete
+        try:
+            stats = self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
+        except CommitIncomplete as e:
+            log.warning("%s", e)
+            stats = e.stats
         self.version = version
         t = time.perf_counter()
         self._call(self.manager.on_weights_updated(version))

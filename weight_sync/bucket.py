@@ -78,29 +78,6 @@ def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> list[Bucket]:
     return buckets
 
 
-def bucket_offsets(plan: list[Bucket]) -> list[int]:
-    """Bucket k holds bytes [offsets[k], offsets[k] + nbytes) of all tensors laid end to end in
-    spec order: the plan cuts that one byte stream, so a flat buffer in that layout takes every
-    bucket in place."""
-    out, pos = [], 0
-    for b in plan:
-        out.append(pos)
-        pos += b.nbytes
-    return out
-
-
-def flat_views(specs: list[TensorSpec], flat: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """Tensors viewing `flat` (uint8) in spec order, or None when a dtype would sit misaligned."""
-    views, pos = {}, 0
-    for s in specs:
-        dtype = DTYPES[s.dtype]
-        if pos % dtype.itemsize:
-            return None
-        views[s.name] = flat[pos:pos + s.nbytes].view(dtype).view(s.shape)
-        pos += s.nbytes
-    return views
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy)."""
     return t.reshape(-1).view(torch.uint8)
@@ -112,10 +89,29 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -
         slot[p.bucket_offset:p.bucket_offset + p.length].copy_(as_bytes(tensors[p.name])[p.offset:p.offset + p.length])
 
 
-def unpack(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy the bucket's pieces out of `slot` into their places in `tensors`."""
-    for p in bucket.pieces:
-        as_bytes(tensors[p.name])[p.offset:p.offset + p.length].copy_(slot[p.bucket_offset:p.bucket_offset + p.length])
+_CHUNK = 1 << 20   # copy-then-hash 1 MiB at a time: 23 ms per 128 MiB here, against 30 ms for the whole piece
+
+
+def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
+    """Copy the bucket's pieces out of `slot` into their places in `tensors`; return the digest of
+    the bytes that landed there. On the CPU that is the digest of the copy itself. A device copy is
+    not hashed here, so the slot is hashed before and after the copy instead: bytes that changed in
+    between (a late write) make the two differ, and the result then matches no sender's digest."""
+    views = [(as_bytes(tensors[p.name])[p.offset:p.offset + p.length], slot[p.bucket_offset:p.bucket_offset + p.length])
+             for p in bucket.pieces]
+    if all(dst.device.type == "cpu" for dst, _ in views):
+        h = xxhash.xxh3_128()          # the pieces lie end to end in the slot: same digest as the slot's
+        for dst, src in views:
+            for at in range(0, dst.numel(), _CHUNK):   # hashed while the chunk is still in cache
+                d = dst[at:at + _CHUNK]
+                d.copy_(src[at:at + _CHUNK])
+                h.update(d.numpy())
+        return h.hexdigest()
+    before = digest(slot[:bucket.nbytes])
+    for dst, src in views:
+        dst.copy_(src)
+    after = digest(slot[:bucket.nbytes])
+    return after if after == before else f"changed during the copy ({before} -> {after})"
 
 
 def digest(data: torch.Tensor) -> str:

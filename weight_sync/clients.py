@@ -4,7 +4,7 @@ from __future__ import annotations
 import httpx
 
 from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, OpenReply, OpenRequest,
-                                  VersionRequest)
+                                  PrepareRequest, UpdateRef)
 
 
 class ReceiverCallError(RuntimeError):
@@ -17,13 +17,14 @@ class ReceiverCallError(RuntimeError):
 
 class HttpReceiverClient:
     def __init__(self, url: str, timeout_s: float = 30.0, api_key: str | None = None):
-        self.name = url.rstrip("/")
+        self.url = self.name = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.name, timeout=timeout_s, headers=headers)
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
-    def _post(self, path: str, msg) -> dict:
+    def _call(self, method: str, path: str, msg=None) -> dict:
         try:
-            r = self._http.post(f"/weight_sync/{path}", json=msg.model_dump(mode="json"))
+            r = self._http.request(method, f"/weight_sync/{path}",
+                                   json=msg.model_dump(mode="json") if msg is not None else None)
         except httpx.TimeoutException:
             raise ReceiverCallError(self.name, f"/{path} timed out after {self._http.timeout.read}s "
                                                f"(frozen or overloaded?)") from None
@@ -37,22 +38,34 @@ class HttpReceiverClient:
         return r.json()
 
     def open(self, req: OpenRequest) -> OpenReply:
-        return OpenReply.model_validate(self._post("open", req))
+        return OpenReply.model_validate(self._call("POST", "open", req))
 
     def apply(self, req: ApplyRequest) -> None:
-        self._post("apply", req)
+        self._call("POST", "apply", req)
 
-    def prepare(self, version: int) -> None:
-        self._post("prepare", VersionRequest(version=version))
+    def prepare(self, req: PrepareRequest) -> None:
+        self._call("POST", "prepare", req)
 
     def commit(self, req: CommitRequest) -> CommitReply:
-        return CommitReply.model_validate(self._post("commit", req))
+        return CommitReply.model_validate(self._call("POST", "commit", req))
 
-    def abort(self, version: int) -> None:
-        self._post("abort", VersionRequest(version=version))
+    def abort(self, ref: UpdateRef) -> None:
+        self._call("POST", "abort", ref)
+
+    def status(self) -> dict:
+        return self._call("GET", "status")
 
     def close(self) -> None:
         self._http.close()
+
+
+def receiver_status(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict:
+    """One call to a server's /weight_sync/status (a receiver asking its peers how an update ended)."""
+    client = HttpReceiverClient(url, timeout_s, api_key)
+    try:
+        return client.status()
+    finally:
+        client.close()
 
 
 class LocalReceiverClient:
@@ -74,14 +87,17 @@ class LocalReceiverClient:
     def apply(self, req: ApplyRequest) -> None:
         self._call(self.receiver.apply, req)
 
-    def prepare(self, version: int) -> None:
-        self._call(self.receiver.prepare, version)
+    def prepare(self, req: PrepareRequest) -> None:
+        self._call(self.receiver.prepare, req)
 
     def commit(self, req: CommitRequest) -> CommitReply:
         return self._call(self.receiver.commit, req)
 
-    def abort(self, version: int) -> None:
-        self._call(self.receiver.abort, version)
+    def abort(self, ref: UpdateRef) -> None:
+        self._call(self.receiver.abort, ref)
+
+    def status(self) -> dict:
+        return self.receiver.status()
 
     def close(self) -> None:
         pass

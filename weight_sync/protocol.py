@@ -1,9 +1,12 @@
 """Wire messages of the weight-sync protocol between a sender and each receiver.
 
-One update: open (fencing by version, staging slots handed out) -> for each bucket: the sender
-writes it into a staging slot, then apply (the receiver verifies the digest and copies it into its
-shadow weights) -> prepare (all buckets staged and verified?) -> commit (flip, between two decode
-steps) or abort (drop everything staged; keep serving the old version).
+One update, named by the sender's `update_id` (one per push, shared by every receiver of it):
+open (fencing by version; staging slots handed out) -> for each bucket: the sender writes it into a
+staging slot, then apply (the receiver copies it into its shadow weights and checks the copy's
+digest) -> prepare (all buckets staged and verified) -> commit (flip, between two decode steps) or
+abort (drop everything staged; keep serving the old version). Every call after open names the
+update, so a late call from a sender whose update was superseded is refused, even for the same
+version.
 """
 from __future__ import annotations
 
@@ -23,8 +26,12 @@ class SpecMsg(BaseModel):
     shape: list[int]
 
 
-class OpenRequest(BaseModel):
+class UpdateRef(BaseModel):
     version: int
+    update_id: str = Field(min_length=1)
+
+
+class OpenRequest(UpdateRef):
     bucket_bytes: int = Field(gt=0)
     num_slots: int = Field(ge=1, le=8)
     sender: str                        # the sender's transport session, for the receiver's logs
@@ -32,25 +39,27 @@ class OpenRequest(BaseModel):
 
 class OpenReply(BaseModel):
     session: str                       # the receiver's transport session id
-    slot_addrs: list[int]              # staging slots (in-place mode): bucket k goes to slot k % len
-    direct_base: int | None = None     # shadow mode: bucket k goes to direct_base + its plan offset
+    slot_addrs: list[int]              # staging slots: bucket k goes to slot k % len
     specs: list[SpecMsg]               # what the receiver needs, in plan order
     current_version: int
 
 
-class ApplyRequest(BaseModel):
-    version: int
+class ApplyRequest(UpdateRef):
     bucket: int
     slot: int
     digest: str
 
 
-class VersionRequest(BaseModel):
-    version: int
+class PrepareRequest(UpdateRef):
+    """Also tells a receiver what it needs to learn the outcome on its own: once every receiver has
+    prepared, the sender decides commit; a receiver that hears nothing for `outcome_after_s` asks
+    its `peers` whether they committed this update, and if one did, commits with `inflight`."""
+    peers: list[str] = []
+    inflight: "InFlight" = InFlight.CONTINUE
+    outcome_after_s: float = Field(default=30.0, gt=0)
 
 
-class CommitRequest(BaseModel):
-    version: int
+class CommitRequest(UpdateRef):
     inflight: InFlight = InFlight.CONTINUE
 
 
@@ -68,8 +77,9 @@ class PushToRequest(BaseModel):
 
 
 class ErrorKind(str, enum.Enum):
-    STALE = "stale_version"
-    SUPERSEDED = "superseded"
+    STALE = "stale_version"          # older than what the receiver serves or stages
+    CURRENT = "current_version"      # the receiver already serves this version: nothing to do
+    SUPERSEDED = "superseded"        # the call names an update that is not the one staged
     DIGEST = "digest_mismatch"
     INCOMPLETE = "incomplete"
-    STATE = "bad_state"
+    STATE = "bad_state"              # the call is not legal in the update's stage

@@ -1,27 +1,48 @@
-"""The receiving end of weight sync, inside an inference server: stage, verify, commit.
+r"""The receiving end of weight sync, inside an inference server: stage, verify, commit.
 
-Shadow mode (default): the shadow set is one registered flat buffer laid out in plan order, so the
-sender writes every bucket straight into its final place and the receiver only verifies digests
-(no staging copy). Commit swaps pointers between two decode steps, so the stall is the swap. Two
-flat buffers alternate as live and shadow. In-place mode (no memory for a shadow): the
-engine is paused in place at the first bucket and buckets are copied into the live weights; a
+What a sender can write is a set of staging slots, registered with the transport while one update
+is open and unregistered when it ends. Bytes reach the weights only by a copy out of a slot into
+memory no transport can write (the shadow set; in in-place mode, the live set while the engine is
+paused), and they count only when the digest of that copy matches the sender's. So a late write (a
+frozen sender that wakes up, a timed-out write the transport still delivers) can at worst spoil a
+slot, which the digest then refuses: it never reaches weights that serve. Two slot sets take turns,
+so an update that replaces another (a newer version, or the same one from a new sender) never
+writes where the one it replaced was writing; slot memory that was ever registered is never freed
+while the receiver lives, so a write already under way when its slot is unregistered lands in
+memory nothing else uses.
+
+One lock orders every call. An update goes through
+
+    idle -> open -> staged -> prepared -> committed
+              \________\__________\-----> aborted
+
+open: buckets arrive (apply); staged: all of them copied and verified; prepared: the sender may now
+decide commit. A newer open (or the same version from another update) aborts the update it
+replaces, whatever its stage, but never an older one. Commit is idempotent; an abort of a committed
+update is refused. A prepared receiver that hears no outcome within `outcome_after_s` asks its peers
+(named at prepare) and commits if one of them committed the update: once every receiver prepared,
+the sender's decision is commit, so a peer's commit proves it. Until then it serves the old version.
+Shadow mode commits by pointer swap between two decode steps; the old live set becomes the next
+shadow. In-place mode pauses the engine at the first bucket and copies into the live weights; a
 failed update leaves the engine paused and marked torn, never serving a mix of versions.
-Fencing: an update must be newer than what is served and than any other update staged.
 """
 from __future__ import annotations
 
+import collections
+import enum
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from inference_server import weights
 from inference_server.engine import PauseMode
-from weight_sync.bucket import Bucket, TensorSpec, bucket_offsets, digest, flat_views, plan_buckets, unpack
+from weight_sync.bucket import Bucket, TensorSpec, plan_buckets, unpack_verified
 from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, InFlight, OpenReply,
-                                  OpenRequest, SpecMsg)
+                                  OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport
 
 log = logging.getLogger(__name__)
@@ -33,42 +54,52 @@ class ReceiverError(Exception):
         self.kind = kind
 
 
-@dataclass
-class _Flat:
-    """A whole set of weights in one registered buffer (plan order); `views` are the tensors."""
-    buffer: torch.Tensor
-    views: dict[str, torch.Tensor]
+class Stage(str, enum.Enum):
+    IDLE = "idle"
+    OPEN = "open"
+    STAGED = "staged"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
 
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.buffer.data_ptr()
-        return start <= t.data_ptr() < start + self.buffer.numel()
+
+LIVE_STAGES = (Stage.OPEN, Stage.STAGED, Stage.PREPARED)
 
 
 @dataclass
 class _Update:
-    version: int
+    ref: UpdateRef
     plan: list[Bucket]
     targets: dict[str, torch.Tensor]
-    offsets: list[int] = field(default_factory=list)
-    flat: _Flat | None = None               # shadow mode: buckets land here directly
+    slots: list[torch.Tensor]
+    stage: Stage = Stage.OPEN
     applied: set[int] = field(default_factory=set)
-    prepared: bool = False
     started: float = field(default_factory=time.monotonic)
     paused_at: float | None = None          # in-place mode: when the engine was paused
+    prepare: PrepareRequest | None = None
+
+    @property
+    def version(self) -> int:
+        return self.ref.version
 
 
 class Receiver:
-    def __init__(self, engine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0):
+    def __init__(self, engine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
+                 peer_status: Callable[[str], dict] | None = None):
         self.engine = engine
         self.shadow = shadow
         self.stage_timeout_s = stage_timeout_s
         self._make_transport = make_transport
+        self._peer_status = peer_status        # url -> that receiver's status(); None: ask nobody
         self._transport: Transport | None = None
-        self._slots: list[torch.Tensor] = []
-        self._shadow: dict[str, torch.Tensor] | None = None   # fallback when a flat layout misaligns
-        self._flats: list[_Flat] = []
+        self._slot_sets: list[list[torch.Tensor]] = [[], []]
+        self._next_set = 0
+        self._retired_slots: list[torch.Tensor] = []   # registered once: never freed (see module doc)
+        self._shadow: dict[str, torch.Tensor] | None = None
         self._update: _Update | None = None
+        self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.torn = False                    # in-place update failed half way: weights are mixed
 
     @property
@@ -80,141 +111,186 @@ class Receiver:
     def specs(self) -> list[TensorSpec]:
         return [TensorSpec.of(n, p) for n, p in weights.parameters(self.engine.model).items()]
 
+    @property
+    def stage(self) -> Stage:
+        return self._update.stage if self._update is not None else Stage.IDLE
+
     # ---- protocol steps -------------------------------------------------------------------------
     def open(self, req: OpenRequest) -> OpenReply:
         with self._lock:
             current = self.engine.version
-            if req.version <= current and not self.torn and self.engine.has_weights:
-                raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the served {current}")
+            if self.engine.has_weights and not self.torn:
+                if req.version < current:
+                    raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the served {current}")
+                if req.version == current:
+                    raise ReceiverError(ErrorKind.CURRENT, f"version {req.version} is already served")
             staged = self._update
-            # The same version again is a retry (its first sender died); an older one is fenced off.
+            # The same version again is a retry (its first sender died or missed a receiver); an older
+            # one is fenced off while the staged update is fresh.
             if staged is not None and staged.version > req.version and not self._expired(staged):
                 raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the staged "
                                                      f"update {staged.version}")
             if staged is not None:
-                log.warning("dropping staged update %d for %d from %s", staged.version, req.version, req.sender)
+                log.warning("update %s (version %d, %s) superseded by %s (version %d) from %s", staged.ref.update_id,
+                            staged.version, staged.stage.value, req.update_id, req.version, req.sender)
+                self._end(staged, Stage.ABORTED)
             specs = self.specs()
             plan = plan_buckets(specs, req.bucket_bytes)
-            flat = self._spare_flat(specs) if self.shadow else None
-            if flat is None:
-                self._ensure_slots(max(b.nbytes for b in plan), req.num_slots)
-            targets = flat.views if flat is not None else self._targets()
-            self._update = _Update(req.version, plan, targets, bucket_offsets(plan), flat)
-            return OpenReply(session=self.transport.session_id,
-                             slot_addrs=[] if flat is not None else [s.data_ptr() for s in self._slots],
-                             direct_base=flat.buffer.data_ptr() if flat is not None else None,
+            slots = self._take_slots(max(b.nbytes for b in plan), req.num_slots)
+            self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, self._targets(), slots)
+            return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in slots],
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
                              current_version=current)
 
     def apply(self, req: ApplyRequest) -> None:
-        """Verify bucket `req.bucket` where it landed (its place in the flat shadow, or staging slot
-        `req.slot`) and, from a staging slot, copy it into the update's targets."""
-        update = self._current(req.version)
-        staged = update.flat is None
-        if not 0 <= req.bucket < len(update.plan) or (staged and not 0 <= req.slot < len(self._slots)):
-            raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range")
-        bucket = update.plan[req.bucket]
-        if not staged:
-            start = update.offsets[req.bucket]
-            data = update.flat.buffer[start:start + bucket.nbytes]
-        else:
-            data = self._slots[req.slot][:bucket.nbytes]
-        got = digest(data)
-        if got != req.digest:
-            raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
-                                                  f"{got} != sender's {req.digest}")
-        if not self.shadow and update.paused_at is None:
-            self.engine.pause(PauseMode.IN_PLACE).result()
-            update.paused_at = time.perf_counter()
-            self.torn = True                 # from here until commit the live weights are mixed
-        if staged:
-            unpack(bucket, data, update.targets)
-        update.applied.add(req.bucket)
+        """Copy bucket `req.bucket` out of staging slot `req.slot` into the update's targets and check
+        the copy against the sender's digest."""
+        with self._lock:
+            update = self._current(req)
+            if update.stage not in (Stage.OPEN, Stage.STAGED):
+                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} of version {req.version} arrived "
+                                                     f"after the update was {update.stage.value}")
+            if not 0 <= req.bucket < len(update.plan) or not 0 <= req.slot < len(update.slots):
+                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range "
+                                                     f"({len(update.plan)} buckets, {len(update.slots)} slots)")
+            if not self.shadow and update.paused_at is None:
+                self.engine.pause(PauseMode.IN_PLACE).result()
+                update.paused_at = time.perf_counter()
+                self.torn = True                 # from here until commit the live weights are mixed
+            bucket = update.plan[req.bucket]
+            got = unpack_verified(bucket, update.slots[req.slot], update.targets)
+            if got != req.digest:
+                update.applied.discard(req.bucket)
+                raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
+                                                      f"{got} != sender's {req.digest}")
+            update.applied.add(req.bucket)
+            if len(update.applied) == len(update.plan):
+                update.stage = Stage.STAGED
 
-    def prepare(self, version: int) -> None:
-        update = self._current(version)
-        missing = len(update.plan) - len(update.applied)
-        if missing:
-            raise ReceiverError(ErrorKind.INCOMPLETE, f"version {version}: {missing} of {len(update.plan)} "
-                                                      f"buckets not staged and verified")
-        update.prepared = True
+    def prepare(self, req: PrepareRequest) -> None:
+        with self._lock:
+            update = self._current(req)
+            if update.stage is Stage.OPEN:
+                missing = len(update.plan) - len(update.applied)
+                raise ReceiverError(ErrorKind.INCOMPLETE, f"version {req.version}: {missing} of {len(update.plan)} "
+                                                          f"buckets not staged and verified")
+            if update.stage is Stage.PREPARED:
+                return
+            update.stage, update.prepare = Stage.PREPARED, req
+            # Nothing can write the targets any more (no slot of this update is copied again), so
+            # the update that is prepared is exactly what the applies verified.
+            self._release_slots(update)
+        if req.peers and self._peer_status is not None:
+            threading.Thread(target=self._await_outcome, args=(update,), name=f"outcome-{req.update_id[:8]}",
+                             daemon=True).start()
 
     def commit(self, req: CommitRequest) -> CommitReply:
-        update = self._current(req.version)
-        if not update.prepared:
-            raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared")
-        aborted = 0
-        if req.inflight is InFlight.ABORT:
-            aborted = len(self.engine.abort(None).result())
-        if self.shadow:
-            old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
-            stall = self.engine.swap_weights(update.targets, req.version).result()
-            self.engine.free_retired()   # freed here, on this thread, if nothing else holds them
-            if update.flat is None:
-                self._shadow = old       # the fallback path reuses the old live set as its shadow
-        else:
-            self.engine.set_version(req.version).result()
-            self.engine.resume().result()
-            stall = time.perf_counter() - (update.paused_at or time.perf_counter())
-            self.torn = False
         with self._lock:
-            self._update = None
-        return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
+            if req.update_id in self._committed:
+                return CommitReply(version=req.version, stall_seconds=0.0)    # a retry: already done
+            update = self._current(req)
+            if update.stage is not Stage.PREPARED:
+                raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared ({update.stage.value})")
+            aborted = len(self.engine.abort(None).result()) if req.inflight is InFlight.ABORT else 0
+            if self.shadow:
+                old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
+                stall = self.engine.swap_weights(update.targets, req.version).result()
+                self.engine.free_retired()   # drops the engine's references; `old` keeps the set alive
+                self._shadow = old           # the old live set is the next update's shadow
+            else:
+                self.engine.set_version(req.version).result()
+                self.engine.resume().result()
+                stall = time.perf_counter() - (update.paused_at or time.perf_counter())
+                self.torn = False
+            self._committed.append(req.update_id)
+            self._end(update, Stage.COMMITTED)
+            return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
 
-    def abort(self, version: int) -> None:
+    def abort(self, ref: UpdateRef) -> None:
         with self._lock:
-            if self._update is not None and self._update.version == version:
-                self._update = None
+            if ref.update_id in self._committed:
+                raise ReceiverError(ErrorKind.STATE, f"update {ref.update_id} (version {ref.version}) is "
+                                                     f"committed: an abort cannot undo it")
+            update = self._update
+            if update is not None and update.ref.update_id == ref.update_id:
+                self._end(update, Stage.ABORTED)
 
     def status(self) -> dict:
         u = self._update
         return {"version": self.engine.version, "mode": "shadow" if self.shadow else "in_place",
-                "torn": self.torn, "staged_version": u.version if u else None,
-                "buckets_applied": len(u.applied) if u else 0, "buckets": len(u.plan) if u else 0}
+                "torn": self.torn, "stage": self.stage.value,
+                "staged_version": u.version if u else None, "update_id": u.ref.update_id if u else None,
+                "buckets_applied": len(u.applied) if u else 0, "buckets": len(u.plan) if u else 0,
+                "committed_updates": list(self._committed)}
 
     def close(self) -> None:
+        self._closed.set()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
 
+    # ---- learning the outcome from peers ----------------------------------------------------------
+    def _await_outcome(self, update: _Update) -> None:
+        """Prepared and no word from the sender: commit once a peer shows it committed this update."""
+        prep = update.prepare
+        wait = prep.outcome_after_s
+        while not self._closed.wait(wait) and self._update is update and update.stage is Stage.PREPARED:
+            wait = min(prep.outcome_after_s, 2.0)
+            for peer in prep.peers:
+                try:
+                    committed = prep.update_id in self._peer_status(peer).get("committed_updates", [])
+                except Exception as e:  # a peer that is down or slow just has no answer this round
+                    log.info("outcome of %s: %s did not answer: %s", prep.update_id, peer, e)
+                    continue
+                if committed:
+                    log.warning("update %s (version %d): no commit from the sender; %s committed it, so "
+                                "committing here", prep.update_id, prep.version, peer)
+                    try:
+                        self.commit(CommitRequest(version=prep.version, update_id=prep.update_id,
+                                                  inflight=prep.inflight))
+                    except ReceiverError as e:   # superseded or ended meanwhile: nothing left to decide
+                        log.info("late commit of %s not applied: %s", prep.update_id, e)
+                    return
+
     # ---- helpers --------------------------------------------------------------------------------
-    def _current(self, version: int) -> _Update:
+    def _current(self, ref: UpdateRef) -> _Update:
         update = self._update
-        if update is None or update.version != version:
-            staged = update.version if update else None
-            raise ReceiverError(ErrorKind.SUPERSEDED, f"version {version} is not the staged update ({staged})")
+        if update is None or update.ref.update_id != ref.update_id or update.version != ref.version:
+            staged = f"update {update.ref.update_id} (version {update.version})" if update else "no update"
+            raise ReceiverError(ErrorKind.SUPERSEDED, f"update {ref.update_id} (version {ref.version}) is not the "
+                                                      f"staged one ({staged})")
         return update
+
+    def _end(self, update: _Update, stage: Stage) -> None:
+        update.stage = stage
+        self._release_slots(update)
+        if self._update is update:
+            self._update = None
 
     def _expired(self, update: _Update) -> bool:
         return time.monotonic() - update.started > self.stage_timeout_s
 
-    def _ensure_slots(self, nbytes: int, count: int) -> None:
-        if len(self._slots) == count and self._slots[0].numel() >= nbytes:
-            return
-        for s in self._slots:
-            self.transport.unregister(s.data_ptr())
-        self._slots = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
-        for s in self._slots:
+    def _take_slots(self, nbytes: int, count: int) -> list[torch.Tensor]:
+        """The slot set the previous update did not use, registered for this one."""
+        i, self._next_set = self._next_set, 1 - self._next_set
+        slots = self._slot_sets[i]
+        if len(slots) < count or slots[0].numel() < nbytes:
+            self._retired_slots += slots
+            slots = self._slot_sets[i] = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+        slots = slots[:count]
+        for s in slots:
             self.transport.register(s)
+        return slots
 
-    def _spare_flat(self, specs: list[TensorSpec]) -> _Flat | None:
-        """A flat buffer that is not being served from, allocating one (at most two exist)."""
-        first = next(iter(weights.parameters(self.engine.model).values()))
-        for flat in self._flats:
-            if not flat.holds(first):
-                return flat
-        buffer = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=first.device)
-        views = flat_views(specs, buffer)
-        if views is None:                    # mixed dtypes that misalign: fall back to staging slots
-            return None
-        self.transport.register(buffer)
-        self._flats.append(_Flat(buffer, views))
-        return self._flats[-1]
+    def _release_slots(self, update: _Update) -> None:
+        for s in update.slots:
+            self.transport.unregister(s.data_ptr())
+        update.slots = []
 
     def _targets(self) -> dict[str, torch.Tensor]:
         params = weights.parameters(self.engine.model)
         if not self.shadow:
             return {n: p.data for n, p in params.items()}
-        if self._shadow is None:
+        if self._shadow is None or any(self._shadow[n].shape != p.shape for n, p in params.items()):
             self._shadow = {n: torch.empty_like(p) for n, p in params.items()}
         return self._shadow

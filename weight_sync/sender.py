@@ -1,32 +1,51 @@
 """The trainer's side of weight sync: `WeightSync(receivers).push(model, version)`.
 
-Pipelined: while bucket k travels to every receiver, bucket k+1 is packed and the receivers verify
-and apply bucket k-1. Local staging is a ring of `num_slots + 1` registered buffers, each receiver's
-a ring of `num_slots`; bucket k's local buffer is reused only after every receiver applied it, so a
-digest mismatch is retried from it. Every hop has a timeout. A receiver that fails is named; the
-update is aborted everywhere (nobody flips) unless `allow_partial`, which drops it and goes on.
-Commit is two-phase: all receivers prepare (everything staged and verified), then all flip.
+Pipelined: while bucket k travels to every receiver, bucket k+1 is packed and the receivers copy
+and verify bucket k-1. Local staging is a ring of `num_slots + 1` registered buffers, each receiver's
+a ring of `num_slots` staging slots; bucket k's local buffer is reused only after every receiver
+applied it, so a digest mismatch is retried from it. Every hop has a timeout. A receiver that fails
+before the decision is named; the update is aborted everywhere (nobody flips; the aborts go out in
+the background, so a frozen receiver costs one hop timeout, not two) unless `allow_partial`, which
+drops it and goes on.
+
+Commit is two-phase: all receivers prepare (everything staged and verified), then the outcome is
+commit, whatever happens next. A receiver that does not confirm its commit is reported (the push
+raises CommitIncomplete, or with `allow_partial` lists it in `stats.pending`) and the commit is
+offered to it again in the background; it also asks its peers. Pushing the same version again
+completes it: receivers already serving the version answer so at open and are left alone.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, as_bytes, bucket_offsets, digest, plan_buckets
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, digest, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
-from weight_sync.protocol import ApplyRequest, CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest
+from weight_sync.protocol import (ApplyRequest, CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest,
+                                  PrepareRequest, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
-    """An update that did not commit; the message names the receiver and what failed."""
+    """An update that did not commit everywhere; the message names the receiver and what failed."""
+
+    def __init__(self, message: str, stats: "PushStats | None" = None):
+        super().__init__(message)
+        self.stats = stats
+
+
+class CommitIncomplete(WeightSyncError):
+    """Every receiver prepared, so the version is committed; some did not confirm it (yet).
+    `stats.serving` says who serves what as far as the sender knows, `stats.pending` who is missing."""
 
 
 @dataclass
@@ -43,7 +62,9 @@ class PushStats:
     retries: int = 0
     stall_s: dict[str, float] = field(default_factory=dict)
     aborted_requests: dict[str, int] = field(default_factory=dict)
-    dropped: dict[str, str] = field(default_factory=dict)
+    serving: dict[str, int | None] = field(default_factory=dict)   # receiver -> version it serves (None: unknown)
+    pending: dict[str, str] = field(default_factory=dict)          # committed here, unconfirmed there: why
+    dropped: dict[str, str] = field(default_factory=dict)          # left out of the update (allow_partial)
 
     @property
     def gbps(self) -> float:
@@ -54,7 +75,16 @@ class PushStats:
 class _Peer:
     client: object
     reply: OpenReply | None = None
+    current: bool = False          # already serves the pushed version: nothing to send it
     error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.client.name
+
+    @property
+    def staging(self) -> bool:
+        return self.error is None and self.reply is not None
 
 
 def named_tensors(weights) -> dict[str, torch.Tensor]:
@@ -80,37 +110,38 @@ class WeightSync:
         self.bucket_bytes, self.num_slots = bucket_bytes, num_slots
         self.timeout_s, self.allow_partial, self.max_retries = timeout_s, allow_partial, max_retries
         self._local: list[torch.Tensor] = []
-        self._version: int | None = None
-        self._offsets: list[int] = []
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(self.clients) + 2, thread_name_prefix="weight-sync")
+        self._ref: UpdateRef | None = None           # the update being pushed (or last pushed)
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=3 * len(self.clients) + 2, thread_name_prefix="weight-sync")
 
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
         inflight = InFlight(inflight)
+        ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
-        self._version = version
         tensors = named_tensors(weights)
         peers = [_Peer(c) for c in self.clients]
         try:
-            specs = self._open(peers, version, stats)
-            plan = plan_buckets(specs, self.bucket_bytes)
-            stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
-            self._stream(peers, plan, self._sources(tensors, specs), version, stats)
-            self._each(peers, lambda p: p.client.prepare(version), "prepare")
-            t = time.perf_counter()
-            replies = self._each(peers, lambda p: p.client.commit(CommitRequest(version=version, inflight=inflight)),
-                                 "commit")
-            stats.commit_s = time.perf_counter() - t
+            specs = self._open(peers, ref, stats)
+            staging = [p for p in peers if p.staging]
+            if staging:
+                plan = plan_buckets(specs, self.bucket_bytes)
+                stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
+                self._stream(staging, plan, self._sources(tensors, specs), ref, stats)
+                self._each(staging, lambda p: p.client.prepare(self._prepare_request(p, staging, ref, inflight)),
+                           "prepare")
         except BaseException:
-            self._abort(peers, version)
+            for p in peers:                  # in the background: a frozen receiver must not hold the caller
+                if not p.current:
+                    self._pool.submit(self._quiet_abort, p, ref)
             raise
-        for p, r in replies:
-            stats.stall_s[p.client.name], stats.aborted_requests[p.client.name] = r.stall_seconds, r.aborted_requests
-        stats.dropped = {p.client.name: p.error for p in peers if p.error}
+        # Every receiver taking part has prepared: from here the outcome is commit.
+        self._commit([p for p in peers if p.staging], ref, inflight, stats)
         stats.seconds = time.perf_counter() - t0
-        return stats
+        return self._report(peers, stats)
 
     def close(self, close_transport: bool = True) -> None:
+        self._closed.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
@@ -121,20 +152,77 @@ class WeightSync:
             self.transport.close()
 
     # ---- steps -----------------------------------------------------------------------------------
-    def _open(self, peers: list[_Peer], version: int, stats: PushStats) -> list[TensorSpec]:
+    def _open(self, peers: list[_Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
         t = time.perf_counter()
-        req = OpenRequest(version=version, bucket_bytes=self.bucket_bytes, num_slots=self.num_slots,
+        req = OpenRequest(**ref.model_dump(), bucket_bytes=self.bucket_bytes, num_slots=self.num_slots,
                           sender=self.transport.session_id)
-        for p, reply in self._each(peers, lambda p: p.client.open(req), "open"):
-            p.reply = reply
-        live = [p for p in peers if p.error is None]
-        specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in live[0].reply.specs]
+
+        def open_one(p: _Peer) -> OpenReply | None:
+            try:
+                return p.client.open(req)
+            except ReceiverCallError as e:
+                if e.kind is ErrorKind.CURRENT:
+                    return None
+                raise
+        for p, reply in self._each(peers, open_one, "open"):
+            p.reply, p.current = reply, reply is None
+        live = [p for p in peers if p.staging]
+        specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in live[0].reply.specs] if live else []
         for p in live[1:]:
             if [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in p.reply.specs] != specs:
-                raise WeightSyncError(f"receiver {p.client.name} serves a different model than "
-                                      f"{live[0].client.name}: their weight specs differ")
+                raise WeightSyncError(f"receiver {p.name} serves a different model than "
+                                      f"{live[0].name}: their weight specs differ")
         stats.open_s = time.perf_counter() - t
         return specs
+
+    def _prepare_request(self, peer: _Peer, staging: list[_Peer], ref: UpdateRef, inflight: InFlight):
+        others = [q.client.url for q in staging if q is not peer and getattr(q.client, "url", None)]
+        return PrepareRequest(**ref.model_dump(), peers=others, inflight=inflight,
+                              outcome_after_s=2 * self.timeout_s)
+
+    def _commit(self, peers: list[_Peer], ref: UpdateRef, inflight: InFlight, stats: PushStats) -> None:
+        t = time.perf_counter()
+        req = CommitRequest(**ref.model_dump(), inflight=inflight)
+        for p, fut in [(p, self._pool.submit(p.client.commit, req)) for p in peers]:
+            try:
+                reply = fut.result()
+            except ReceiverCallError as e:
+                stats.pending[p.name] = str(e)
+                if e.kind is None:           # no answer (timed out, unreachable): offer it again
+                    self._pool.submit(self._deliver, p, req)
+                continue
+            stats.stall_s[p.name], stats.aborted_requests[p.name] = reply.stall_seconds, reply.aborted_requests
+        stats.commit_s = time.perf_counter() - t
+
+    def _deliver(self, peer: _Peer, req: CommitRequest) -> None:
+        """Offer a decided commit to a receiver that did not confirm it, until it does, refuses
+        (a newer update replaced it there) or a newer push starts."""
+        while not self._closed.wait(1.0) and self._ref is not None and self._ref.update_id == req.update_id:
+            try:
+                peer.client.commit(req)
+            except ReceiverCallError as e:
+                if e.kind is None:
+                    continue
+                log.info("commit of version %d no longer applies on %s: %s", req.version, peer.name, e)
+                return
+            log.warning("version %d committed on %s, late", req.version, peer.name)
+            return
+
+    def _report(self, peers: list[_Peer], stats: PushStats) -> PushStats:
+        v = stats.version
+        for p in peers:
+            old = p.reply.current_version if p.reply is not None else None
+            stats.serving[p.name] = v if p.current or (p.staging and p.name not in stats.pending) else old
+            if p.error:
+                stats.dropped[p.name] = p.error
+        if stats.pending and not self.allow_partial:
+            done = [n for n, s in stats.serving.items() if s == v]
+            raise CommitIncomplete(
+                f"version {v} is committed on {', '.join(done) or 'no receiver yet'}, but not confirmed by " +
+                "; ".join(f"{n} ({e})" for n, e in stats.pending.items()) +
+                f": each serves its old version until the commit reaches it (the sender offers it again and "
+                f"it asks its peers); pushing version {v} again completes it", stats)
+        return stats
 
     def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
         """The trainer's tensors, checked against what receivers need, as contiguous CPU tensors of
@@ -152,16 +240,15 @@ class WeightSync:
             out[s.name] = t
         return out
 
-    def _stream(self, peers, plan: list[Bucket], sources, version: int, stats: PushStats) -> None:
+    def _stream(self, peers, plan: list[Bucket], sources, ref: UpdateRef, stats: PushStats) -> None:
         self._ensure_local(max(b.nbytes for b in plan))
-        self._offsets = bucket_offsets(plan)
         ring = len(self._local)
         packed: dict[int, Future] = {0: self._pool.submit(self._pack, plan[0], sources, 0)} if plan else {}
         applying: dict[int, list[tuple[_Peer, Future]]] = {}
         for k, bucket in enumerate(plan):
             if k - self.num_slots in applying:
                 j = k - self.num_slots
-                self._settle(j, applying.pop(j), plan[j], version, stats)
+                self._settle(j, applying.pop(j), plan[j], ref, stats)
             if k + 1 < len(plan):
                 packed[k + 1] = self._pool.submit(self._pack, plan[k + 1], sources, (k + 1) % ring)
             pack_s, dig = packed.pop(k).result()
@@ -169,39 +256,31 @@ class WeightSync:
             t = time.perf_counter()
             self._each(peers, lambda p: self._write(p, k % ring, k, bucket.nbytes), "transfer")
             stats.transfer_s += time.perf_counter() - t
-            applying[k] = [(p, self._pool.submit(self._apply, p, version, k, dig))
+            applying[k] = [(p, self._pool.submit(self._apply, p, ref, k, dig))
                            for p in peers if p.error is None]
         for j in sorted(applying):
-            self._settle(j, applying[j], plan[j], version, stats)
+            self._settle(j, applying[j], plan[j], ref, stats)
 
     def _pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], slot: int) -> tuple[float, str]:
         t = time.perf_counter()
         out = self._local[slot]
-        for piece in bucket.pieces:
-            src = sources[piece.name]
-            out[piece.bucket_offset:piece.bucket_offset + piece.length].copy_(
-                as_bytes(src)[piece.offset:piece.offset + piece.length])
+        pack(bucket, sources, out)
         return time.perf_counter() - t, digest(out[:bucket.nbytes])
 
     def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
-        """Bucket k from a local slot into the peer: its final place when the peer takes buckets
-        directly into its flat shadow, else the peer's staging slot k % num_slots."""
-        src = self._local[local_slot]
-        reply = peer.reply
-        remote = reply.direct_base + self._offsets[k] if reply.direct_base is not None \
-            else reply.slot_addrs[k % self.num_slots]
-        op = WriteOp(src.data_ptr(), remote, nbytes)
+        """Bucket k from a local slot into the peer's staging slot k % num_slots."""
+        op = WriteOp(self._local[local_slot].data_ptr(), peer.reply.slot_addrs[k % self.num_slots], nbytes)
         try:
             self.transport.write(peer.reply.session, [op], self.timeout_s)
         except TransportError as e:
-            raise ReceiverCallError(peer.client.name, f"transfer failed: {e}") from None
+            raise ReceiverCallError(peer.name, f"transfer failed: {e}") from None
 
-    def _apply(self, peer: _Peer, version: int, k: int, dig: str) -> float:
+    def _apply(self, peer: _Peer, ref: UpdateRef, k: int, dig: str) -> float:
         t = time.perf_counter()
-        peer.client.apply(ApplyRequest(version=version, bucket=k, slot=k % self.num_slots, digest=dig))
+        peer.client.apply(ApplyRequest(**ref.model_dump(), bucket=k, slot=k % self.num_slots, digest=dig))
         return time.perf_counter() - t
 
-    def _settle(self, k: int, pending, bucket: Bucket, version: int, stats: PushStats) -> None:
+    def _settle(self, k: int, pending, bucket: Bucket, ref: UpdateRef, stats: PushStats) -> None:
         """Wait for bucket k's applies; a digest mismatch is rewritten from the local slot and retried."""
         local = self._local[k % len(self._local)]
         for peer, fut in pending:
@@ -220,7 +299,7 @@ class WeightSync:
                     except ReceiverCallError as we:
                         self._fail(peer, we)
                         break
-                    fut = self._pool.submit(self._apply, peer, version, k, digest(local[:bucket.nbytes]))
+                    fut = self._pool.submit(self._apply, peer, ref, k, digest(local[:bucket.nbytes]))
 
     # ---- fan-out and failure ---------------------------------------------------------------------
     def _each(self, peers: list[_Peer], fn, step: str) -> list:
@@ -242,19 +321,15 @@ class WeightSync:
         if not self.allow_partial or stale:
             raise WeightSyncError(str(error)) from None
         peer.error = str(error)
-        log.warning("dropping %s from this update: %s", peer.client.name, error)
-        self._pool.submit(self._quiet_abort, peer, self._version)
-
-    def _abort(self, peers: list[_Peer], version: int) -> None:
-        for f in [self._pool.submit(self._quiet_abort, p, version) for p in peers]:
-            f.result()
+        log.warning("dropping %s from this update: %s", peer.name, error)
+        self._pool.submit(self._quiet_abort, peer, self._ref)
 
     @staticmethod
-    def _quiet_abort(peer: _Peer, version: int) -> None:
+    def _quiet_abort(peer: _Peer, ref: UpdateRef) -> None:
         try:
-            peer.client.abort(version)
+            peer.client.abort(ref)
         except Exception as e:  # best effort: the receiver may be the one that is dead
-            log.info("abort on %s failed: %s", peer.client.name, e)
+            log.info("abort on %s failed: %s", peer.name, e)
 
     def _ensure_local(self, nbytes: int) -> None:
         if len(self._local) == self.num_slots + 1 and self._local[0].numel() >= nbytes:
