@@ -215,8 +215,7 @@ async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None)
     async def one(s):
         params = {**cfg.sampling_params(), "max_new_tokens": s.metadata["lengths"][s.index]}
         client = router.pick()           # least in flight: the batch spreads evenly over the servers
-        with router.track(client):
-            gen = await client.generate(s.input_ids, params, f"sync-{s.uid}")
+        gen = await router.call(client, client.generate(s.input_ids, params, f"sync-{s.uid}"))
         s.append_generated(gen.output_ids, gen.logprobs, gen.versions)
         s.status = SampleStatus.TRUNCATED if gen.finish_type == "length" else SampleStatus.COMPLETED
         done.append(time.monotonic() - t0)

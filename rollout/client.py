@@ -103,5 +103,14 @@ class ServerClient:
         except ServerError:
             return False
 
+    async def progressing(self, timeout_s: float) -> bool:
+        """Does the server make progress? SGLang's /health_generate answers once it has stepped
+        (or generated a token for the probe); a frozen or hung server does not answer at all."""
+        try:
+            await self.get("/health_generate", timeout=timeout_s)
+            return True
+        except ServerError:
+            return False
+
     async def close(self) -> None:
         await self._http.aclose()

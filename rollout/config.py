@@ -29,6 +29,10 @@ class RolloutConfig:
     use_chat_template: bool = False
     request_timeout_s: float = 600.0
     max_request_retries: int = 3        # moves of one request to another server after failures
+    progress_timeout_s: float = 10.0    # a server with requests in flight that shows no progress for this
+                                        # long is marked down and its requests move elsewhere
+    max_group_retries: int = 2          # a group whose requests failed runs its prompt again this many times
+    max_failed_groups: int = 8          # this many failed groups in a row, none succeeding: stop with the error
     seed: int = 0
 
     def validate(self) -> "RolloutConfig":
@@ -46,6 +50,14 @@ class RolloutConfig:
             (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1"),
             (self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0"),
             (0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, f"rollout.top_k={self.top_k}: must be -1 (off) or >= 1"),
+            (all(isinstance(s, str) and s for s in self.stop), f"rollout.stop={self.stop!r}: must be non-empty strings"),
+            (bool(self.group_filter), "rollout.group_filter is empty: use all_equal, none or module:function"),
+            (self.request_timeout_s > 0, f"rollout.request_timeout_s={self.request_timeout_s}: must be > 0 seconds"),
+            (self.max_request_retries >= 0, f"rollout.max_request_retries={self.max_request_retries}: must be >= 0"),
+            (self.progress_timeout_s > 0, f"rollout.progress_timeout_s={self.progress_timeout_s}: must be > 0 seconds"),
+            (self.max_group_retries >= 0, f"rollout.max_group_retries={self.max_group_retries}: must be >= 0"),
+            (self.max_failed_groups >= 1, f"rollout.max_failed_groups={self.max_failed_groups}: must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -6,9 +6,12 @@ no group starts that could not be consumed within `max_staleness` versions. Stal
 again per trajectory before each request (admission) and when a batch is handed out (consumption).
 A new weight version aborts the in-flight requests furthest from finishing (policy); an aborted
 sample keeps its tokens, logprobs and versions and resumes at once from prompt + partial response,
-under the new weights. A request whose server fails moves to another server, from the tokens
-received so far. `stop()` aborts everything in flight and keeps it as partial samples; with
-`state_dict()` they survive a restart, together with the data position.
+under the new weights. A request whose server fails, or stops making progress (the router's
+watch), moves to another server, from the tokens received so far. A group whose requests still
+fail runs its prompt again (`max_group_retries`); `max_failed_groups` failed groups in a row stop
+the manager with the error instead of burning through the data. `stop()` aborts everything in
+flight and keeps it as partial samples, waiting at most `progress_timeout_s` for a hung server;
+with `state_dict()` they survive a restart, together with the data position.
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ class RolloutMetrics:
     drops: collections.Counter = field(default_factory=collections.Counter)
     stale_dropped: int = 0
     kept_past_patience: int = 0    # groups the filter rejected but kept (filter_patience)
+    groups_failed: int = 0         # groups whose requests or reward failed (each retried, or dropped)
+    last_error: str = ""           # what the last failed group failed with
     requests_doomed: int = 0       # in-flight requests stopped early: their group already broke the bound
 
     def snapshot(self) -> dict:
@@ -168,8 +173,8 @@ class RolloutContext:
             m.inflight[rid] = _Request(sample, client, started, params["max_new_tokens"], m.trainer_version)
             sample.status = SampleStatus.RUNNING
             try:
-                with m.router.track(client):
-                    gen = await client.generate(sample.input_ids, params, rid, fallback_version=m.trainer_version)
+                gen = await m.router.call(client, client.generate(sample.input_ids, params, rid,
+                                                                  fallback_version=m.trainer_version))
             except ServerError as e:
                 if not e.retryable:
                     raise
@@ -181,7 +186,8 @@ class RolloutContext:
 
     async def _failed(self, sample: Sample, client: ServerClient, error: ServerError):
         m = self.manager
-        if not await client.healthy():      # a dropped connection to a live server is no reason to shun it
+        # a dropped connection to a live server is no reason to shun it
+        if client.url not in m.router.down and not await client.healthy():
             m.router.mark_down(client, str(error))
         sample.num_retries += 1
         m.metrics.retries += 1
@@ -201,6 +207,7 @@ class RolloutManager:
         self.cfg = cfg.validate()
         self.on_drop = on_drop                       # called with every group dropped, and why
         self.router, self.data, self.tokenizer = router, data, tokenizer
+        router.progress_timeout_s = cfg.progress_timeout_s
         self.reward_fn, self.rollout_fn, self.group_filter = reward_fn, rollout_fn, group_filter
         self.trainer_version = 0
         self.consumed_groups = 0
@@ -215,6 +222,8 @@ class RolloutManager:
         self._rate: float | None = None              # tokens/s of one request, for the abort policy
         self._filtered = 0                           # filter drops since the last batch went out
         self._producer: asyncio.Task | None = None
+        self._watcher: asyncio.Task | None = None
+        self._failed_streak = 0                      # failed groups since the last one that succeeded
         self._last_batch = (time.monotonic(), 0, 0)  # time, samples finished, tokens generated
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -224,17 +233,24 @@ class RolloutManager:
         self.request_slots = _Slots(self.cfg.max_inflight)
         self._wake_producer, self._wake_consumer = asyncio.Event(), asyncio.Event()
         self._producer = asyncio.create_task(self._produce(), name="rollout-producer")
+        self._watcher = asyncio.create_task(self.router.watch(), name="router-watch")
 
     async def stop(self) -> None:
-        """Abort everything in flight; unfinished groups stay as partial groups (see state_dict)."""
+        """Abort everything in flight; unfinished groups stay as partial groups (see state_dict).
+        A server that does not give its requests back within `progress_timeout_s` is not waited
+        for: those requests are cancelled and their samples keep the tokens they had."""
         self.stopping = True
         self._notify()
-        await self._abort(list(self.inflight))
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=self.cfg.request_timeout_s)
-        if self._producer is not None:
-            self._producer.cancel()
-            await asyncio.gather(self._producer, return_exceptions=True)
+        aborting = asyncio.ensure_future(self._abort(list(self.inflight)))
+        await asyncio.wait({aborting, *self.tasks}, timeout=self.cfg.progress_timeout_s)
+        leftover = [t for t in (aborting, *self.tasks, self._producer, self._watcher) if t is not None and not t.done()]
+        for t in leftover:
+            t.cancel()
+        await asyncio.gather(*leftover, return_exceptions=True)
+        for group in self.running.values():
+            for s in group.samples:
+                if s.status is SampleStatus.RUNNING:     # its request was cancelled above
+                    s.status = SampleStatus.PARTIAL if s.response_ids else SampleStatus.PENDING
         self.resume.extendleft(reversed(list(self.running.values())))
         self.running.clear()
 
@@ -249,8 +265,6 @@ class RolloutManager:
                 task.add_done_callback(self.tasks.discard)
                 continue
             self._wake_producer.clear()
-            if self.router.down:
-                await self.router.recheck()
             try:
                 await asyncio.wait_for(self._wake_producer.wait(), timeout=1.0)
             except asyncio.TimeoutError:
@@ -302,11 +316,36 @@ class RolloutManager:
                     self._filtered += 1
             self.running.pop(group.group_id, None)
             if reason is None:
+                self._failed_streak = 0
                 self.ready.append(group)
+            elif reason == "failed":
+                self._group_failed(group)
             else:
                 self._drop(group, reason)
         finally:
             self._notify()
+
+    def _group_failed(self, group: Group) -> None:
+        """Its prompt runs again, up to max_group_retries times; past max_failed_groups failures in a
+        row the manager stops with the error, keeping the group for a resume."""
+        error = next(s.error for s in group.samples if s.status is SampleStatus.FAILED)
+        self.metrics.groups_failed += 1
+        self.metrics.last_error = error
+        self._failed_streak += 1
+        log.warning("group %s failed (%d in a row): %s", group.group_id, self._failed_streak, error)
+        if self._failed_streak >= self.cfg.max_failed_groups and self.fatal is None:
+            self.fatal = RuntimeError(f"{self._failed_streak} groups in a row failed and none succeeded "
+                                      f"(rollout.max_failed_groups); the last failed with: {error}")
+            log.error("rollout stopped: %s", self.fatal)
+        if group.retries >= self.cfg.max_group_retries and self.fatal is None:
+            self._drop(group, "failed")
+            return
+        group.retries += 1
+        self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
+        for s in group.samples:
+            s.reset()
+            s.num_retries = 0
+        self.resume.append(group)
 
     async def _run_sample(self, sample: Sample) -> None:
         try:
@@ -513,14 +552,15 @@ class RolloutManager:
         groups = [*self.ready, *self.resume, *self.running.values()]
         return {"trainer_version": self.trainer_version, "consumed_groups": self.consumed_groups,
                 "data": self.data.state_dict(), "metrics": self.metrics.snapshot(),
-                "groups": [{"group_id": g.group_id, "data_index": g.data_index,
+                "groups": [{"group_id": g.group_id, "data_index": g.data_index, "retries": g.retries,
                             "samples": [s.to_dict() for s in g.samples]} for g in groups]}
 
     def load_state_dict(self, state: dict) -> None:
         self.trainer_version, self.consumed_groups = state["trainer_version"], state["consumed_groups"]
         self.data.load_state_dict(state["data"])
         for g in state["groups"]:
-            group = Group(g["group_id"], [Sample.from_dict(s) for s in g["samples"]], g["data_index"])
+            group = Group(g["group_id"], [Sample.from_dict(s) for s in g["samples"]], g["data_index"],
+                          g.get("retries", 0))
             for s in group.samples:
                 if s.status is SampleStatus.RUNNING:
                     s.status = SampleStatus.PARTIAL

@@ -1,17 +1,23 @@
 """Spreads requests over servers: least in flight first; a multi-turn session sticks to its server.
 
-A server that fails a request is marked down and gets no new work until a health check passes.
+Liveness: a server that fails a request is marked down, and so is one that stops making progress.
+`watch()` probes every server with requests in flight (`/health_generate`, which answers as soon as
+the server steps); one that does not answer within `progress_timeout_s` (frozen, hung, or accepting
+connections it never serves) is marked down, and its requests in flight are cancelled: each raises
+a retryable ServerError, so its sample resumes elsewhere from the tokens it holds. A server marked
+down gets no new work until the same probe passes again.
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
+from typing import Awaitable, TypeVar
 
-from rollout.client import ServerClient
+from rollout.client import ServerClient, ServerError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class NoServerAvailable(RuntimeError):
@@ -19,13 +25,16 @@ class NoServerAvailable(RuntimeError):
 
 
 class Router:
-    def __init__(self, clients: list[ServerClient], recheck_s: float = 2.0):
+    def __init__(self, clients: list[ServerClient], recheck_s: float = 2.0, progress_timeout_s: float = 10.0,
+                 probe_every_s: float = 1.0):
         if not clients:
             raise ValueError("Router needs at least one server")
         self.clients = clients
         self.inflight = {c.url: 0 for c in clients}
         self.down: dict[str, float] = {}        # url -> when it was marked down
-        self.recheck_s = recheck_s
+        self.recheck_s, self.progress_timeout_s, self.probe_every_s = recheck_s, progress_timeout_s, probe_every_s
+        self._calls: dict[str, set[asyncio.Task]] = {c.url: set() for c in clients}
+        self._evicted: set[asyncio.Task] = set()
 
     def pick(self, sticky: ServerClient | None = None) -> ServerClient:
         if sticky is not None and sticky.url not in self.down:
@@ -35,30 +44,55 @@ class Router:
             raise NoServerAvailable("every server is marked down: " + ", ".join(self.down))
         return min(up, key=lambda c: self.inflight[c.url])
 
-    @contextlib.contextmanager
-    def track(self, client: ServerClient):
+    async def call(self, client: ServerClient, request: Awaitable[T]) -> T:
+        """Run one request on `client`, counted in its in-flight load. If the server is marked down
+        for lack of progress meanwhile, the request is cancelled and raises a retryable ServerError."""
+        task = asyncio.ensure_future(request)
+        self._calls[client.url].add(task)
         self.inflight[client.url] += 1
         try:
-            yield
+            return await task
+        except asyncio.CancelledError:
+            if task in self._evicted:
+                raise ServerError(client.url, f"no progress for {self.progress_timeout_s}s: request moved") from None
+            raise
         finally:
             self.inflight[client.url] -= 1
+            self._calls[client.url].discard(task)
+            self._evicted.discard(task)
 
     def mark_down(self, client: ServerClient, reason: str) -> None:
         if client.url not in self.down:
             log.warning("server %s marked down: %s", client.url, reason)
             self.down[client.url] = time.monotonic()
 
+    async def watch(self) -> None:
+        """Until cancelled: probe busy servers for progress, bring back the ones that answer again."""
+        while True:
+            await asyncio.sleep(self.probe_every_s)
+            busy = [c for c in self.clients if c.url not in self.down and self._calls[c.url]]
+            await asyncio.gather(*(self._probe(c) for c in busy))
+            if self.down:
+                await self.recheck()
+
+    async def _probe(self, client: ServerClient) -> None:
+        if await client.progressing(self.progress_timeout_s):
+            return
+        self.mark_down(client, f"no progress for {self.progress_timeout_s}s with "
+                               f"{len(self._calls[client.url])} requests in flight")
+        for task in self._calls[client.url]:
+            self._evicted.add(task)
+            task.cancel()
+
     async def recheck(self) -> None:
-        """Bring back servers that answer /health again."""
-        for url, since in list(self.down.items()):
-            if time.monotonic() - since < self.recheck_s:
-                continue
-            client = next(c for c in self.clients if c.url == url)
-            if await client.healthy():
-                log.info("server %s is back", url)
-                self.down.pop(url, None)
+        """Bring back servers that make progress again."""
+        due = [c for c in self.clients if time.monotonic() - self.down.get(c.url, float("inf")) >= self.recheck_s]
+        for client, ok in zip(due, await asyncio.gather(*(c.progressing(self.progress_timeout_s) for c in due))):
+            if ok:
+                log.info("server %s is back", client.url)
+                self.down.pop(client.url, None)
             else:
-                self.down[url] = time.monotonic()
+                self.down[client.url] = time.monotonic()
 
     async def wait_for_server(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

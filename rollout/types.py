@@ -105,6 +105,7 @@ class Group:
     group_id: str
     samples: list[Sample]
     data_index: int = -1                        # where its prompt came from in the data source
+    retries: int = 0                            # times its prompt ran again after the group failed
 
     @property
     def finished(self) -> bool:

@@ -417,6 +417,11 @@ def test_builtin_rewards_and_config_errors():
         RolloutConfig(oversample=0.5).validate()
     with pytest.raises(ValueError, match="update_policy"):
         RolloutConfig(update_policy="sometimes").validate()
+    # values that would make the manager churn through the data without a word
+    for field, value in [("request_timeout_s", 0), ("max_request_retries", -1), ("progress_timeout_s", 0),
+                         ("max_failed_groups", 0), ("max_group_retries", -1), ("top_k", 0)]:
+        with pytest.raises(ValueError, match=f"rollout.{field}={value}"):
+            RolloutConfig(**{field: value}).validate()
 
 
 def test_filter_patience_keeps_groups_when_every_group_lacks_signal(servers, tokenizer):
@@ -432,3 +437,89 @@ def test_filter_patience_keeps_groups_when_every_group_lacks_signal(servers, tok
     groups, metrics = run(main())
     assert len(groups) == 2 and metrics["drops"]["all_equal_rewards"] >= 3
     assert metrics["kept_past_patience"] >= 2
+
+
+def frozen(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_frozen_server_is_marked_down_and_its_requests_move(tiny_model, tokenizer, tmp_path_factory):
+    """SIGSTOP one of two servers mid-rollout: within seconds it is marked down, its requests resume
+    on the other from the tokens their samples hold, batches keep coming; awake, it is back."""
+    a, b = start_server(tiny_model, tmp_path_factory), start_server(tiny_model, tmp_path_factory)
+    try:
+        async def main():
+            m = manager([a.url, b.url], tokenizer, max_new_tokens=300, batch_size=2, oversample=2.0,
+                        max_staleness=8, progress_timeout_s=3)
+            await m.start()
+            while m.router.inflight[a.url] < 4:
+                await asyncio.sleep(0.05)
+            os.kill(a.proc.pid, signal.SIGSTOP)
+            try:
+                batches = [await asyncio.wait_for(m.next_batch(), 60) for _ in range(3)]
+                down = dict(m.router.down)
+            finally:
+                os.kill(a.proc.pid, signal.SIGCONT)
+            for _ in range(300):                          # awake: the router takes it back
+                if a.url not in m.router.down:
+                    break
+                await asyncio.sleep(0.1)
+            back = a.url not in m.router.down
+            await m.stop()
+            return m, batches, down, back
+        m, batches, down, back = run(main())
+    finally:
+        a.stop()
+        b.stop()
+    assert a.url in down and b.url not in down and back
+    samples = [s for groups, _ in batches for g in groups for s in g.samples]
+    assert len(samples) == 3 * 2 * 4 and len({s.uid for s in samples}) == len(samples)
+    assert all(len(s.response_ids) == len(s.logprobs) == 300 for s in samples)
+    assert m.metrics.retries > 0 and not m.metrics.drops["failed"] and not m.metrics.groups_failed
+
+
+def test_failing_requests_stop_the_manager_instead_of_burning_prompts(servers, tokenizer):
+    """Every request fails (a read timeout far too short for any answer): the manager retries the
+    groups a bounded number of times, then stops with the underlying error; every prompt it drew is
+    accounted for, and the data is not churned through."""
+    url = servers()[0].url
+
+    async def main():
+        cfg = RolloutConfig(group_size=4, batch_size=2, max_new_tokens=16, ignore_eos=True, max_request_retries=1)
+        m = RolloutManager(cfg, Router([ServerClient(url, timeout_s=0.001)]), PromptSource(PROMPTS, seed=0),
+                           tokenizer, first_token_parity)
+        await m.start()
+        with pytest.raises(RuntimeError, match="groups in a row failed.*ReadTimeout"):
+            await asyncio.wait_for(m.next_batch(), 60)
+        await m.stop()
+        return m.state_dict()
+    state = run(main())
+    drawn = state["data"]["cursor"]
+    kept = len(state["groups"]) + state["metrics"]["drops"].get("failed", 0)
+    assert drawn == kept, "every prompt drawn is either kept for a resume or counted as failed"
+    assert drawn <= 2 * RolloutConfig().max_failed_groups
+    assert state["metrics"]["groups_failed"] >= RolloutConfig().max_failed_groups
+
+
+def test_stop_does_not_wait_on_a_hung_server(tiny_model, tokenizer, tmp_path_factory):
+    """stop() (what a checkpoint calls) with the only server frozen: it returns after
+    progress_timeout_s, not request_timeout_s, and keeps every started group for a resume."""
+    srv = start_server(tiny_model, tmp_path_factory)
+    try:
+        async def main():
+            m = manager([srv.url], tokenizer, max_new_tokens=600, progress_timeout_s=3, request_timeout_s=600)
+            await m.start()
+            while m.router.inflight[srv.url] < 4:
+                await asyncio.sleep(0.05)
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            while not frozen(srv.proc.pid):
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(m.stop(), 30)
+            return m.state_dict()
+        state = run(main())
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+        srv.stop()
+    assert state["groups"] and len(state["groups"]) == state["data"]["cursor"]
+    assert all(s["status"] in ("pending", "partial") for g in state["groups"] for s in g["samples"])
