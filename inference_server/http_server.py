@@ -393,13 +393,13 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     @app.get("/health_generate")
     async def health_generate():
-        """OK once the engine makes progress: two steps if it is busy (the probe need not wait for a
+        """OK once the engine makes progress: a step if it is busy (the probe need not wait for a
         slot), else the probe's own token. A hung engine never answers; callers time out."""
         steps = engine.stats.steps
         seq = Sequence(f"health-{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0))
         probe = asyncio.ensure_future(server.run([seq]))
         try:
-            while not probe.done() and engine.stats.steps < steps + 2:
+            while not probe.done() and engine.stats.steps == steps:
                 await asyncio.wait({probe}, timeout=0.05)
         finally:
             probe.cancel()

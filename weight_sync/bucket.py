@@ -83,13 +83,25 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -> None:
-    """Copy the bucket's pieces into `slot` (flat uint8); tensors already have the receiver's dtype."""
-    for p in bucket.pieces:
-        slot[p.bucket_offset:p.bucket_offset + p.length].copy_(as_bytes(tensors[p.name])[p.offset:p.offset + p.length])
+_CHUNK = 1 << 20   # copy-then-hash 1 MiB at a time, while it is in cache: 23 ms per 128 MiB here, against 30
 
 
-_CHUNK = 1 << 20   # copy-then-hash 1 MiB at a time: 23 ms per 128 MiB here, against 30 ms for the whole piece
+def _copy_hashed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """Copy each (dst, src) pair of flat uint8 CPU views, in order; xxh3-128 of everything copied."""
+    h = xxhash.xxh3_128()
+    for dst, src in pairs:
+        for at in range(0, dst.numel(), _CHUNK):
+            d = dst[at:at + _CHUNK]
+            d.copy_(src[at:at + _CHUNK])
+            h.update(d.numpy())
+    return h.hexdigest()
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -> str:
+    """Copy the bucket's pieces into `slot` (flat uint8, CPU); tensors already have the receiver's
+    dtype. Returns the bucket's digest (the pieces lie end to end: it is the digest of the slot)."""
+    return _copy_hashed([(slot[p.bucket_offset:p.bucket_offset + p.length],
+                          as_bytes(tensors[p.name])[p.offset:p.offset + p.length]) for p in bucket.pieces])
 
 
 def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
@@ -97,18 +109,12 @@ def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch
     the bytes that landed there. On the CPU that is the digest of the copy itself. A device copy is
     not hashed here, so the slot is hashed before and after the copy instead: bytes that changed in
     between (a late write) make the two differ, and the result then matches no sender's digest."""
-    views = [(as_bytes(tensors[p.name])[p.offset:p.offset + p.length], slot[p.bucket_offset:p.bucket_offset + p.length])
+    pairs = [(as_bytes(tensors[p.name])[p.offset:p.offset + p.length], slot[p.bucket_offset:p.bucket_offset + p.length])
              for p in bucket.pieces]
-    if all(dst.device.type == "cpu" for dst, _ in views):
-        h = xxhash.xxh3_128()          # the pieces lie end to end in the slot: same digest as the slot's
-        for dst, src in views:
-            for at in range(0, dst.numel(), _CHUNK):   # hashed while the chunk is still in cache
-                d = dst[at:at + _CHUNK]
-                d.copy_(src[at:at + _CHUNK])
-                h.update(d.numpy())
-        return h.hexdigest()
+    if all(dst.device.type == "cpu" for dst, _ in pairs):
+        return _copy_hashed(pairs)
     before = digest(slot[:bucket.nbytes])
-    for dst, src in views:
+    for dst, src in pairs:
         dst.copy_(src)
     after = digest(slot[:bucket.nbytes])
     return after if after == before else f"changed during the copy ({before} -> {after})"

@@ -263,9 +263,8 @@ class WeightSync:
 
     def _pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], slot: int) -> tuple[float, str]:
         t = time.perf_counter()
-        out = self._local[slot]
-        pack(bucket, sources, out)
-        return time.perf_counter() - t, digest(out[:bucket.nbytes])
+        dig = pack(bucket, sources, self._local[slot])
+        return time.perf_counter() - t, dig
 
     def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
         """Bucket k from a local slot into the peer's staging slot k % num_slots."""
