@@ -175,14 +175,13 @@ def main() -> None:
 
     import httpx
     from inference_server.process import ServerProcess
-    from inference_server.weights import digest as weights_digest
-    from weight_sync import weights_of
+    from weight_sync import live_digest, named_weights
     from weight_sync.sender import WeightSync
 
     t_start = time.perf_counter()
     path = model_dir(Path(a.model_dir))
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    params = weights_of(trainer)
+    params = named_weights(trainer)
     nbytes = sum(t.nbytes for t in params.values())
     log(f"model: {nbytes / 1e9:.3f} GB in {len(params)} tensors")
     out: dict = {"model_bytes": nbytes}
@@ -354,7 +353,7 @@ def main() -> None:
                    two_receivers_gbps_per_receiver=round(nbytes / median(two_s) / 1e9, 3))
 
         # Both servers now serve the trainer's last version: same bytes everywhere?
-        want = weights_digest(trainer)
+        want = live_digest(named_weights(trainer))
         got = [httpx.get(f"{s.url}/weight_sync/digest", timeout=120).json() for s in servers]
         out["verified"] = all(g["digest"] == want and g["weight_version"] == version for g in got)
         if not out["verified"]:

@@ -121,6 +121,7 @@ class Engine:
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
         self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
+        self.weights_torn = False                # an in-place update left the live weights mixed
         self.retired: list[list[torch.Tensor]] = []
         self._slots_dirty = False
         self.stats = EngineStats()

@@ -17,7 +17,6 @@ import uuid
 from dataclasses import asdict
 from typing import AsyncIterator, Awaitable, Callable
 
-import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -34,7 +33,6 @@ from inference_server.sequence import SamplingParams, Sequence
 log = logging.getLogger(__name__)
 ADMIN_PATHS = {"/update_weights_from_disk", "/pause_generation", "/continue_generation",
                "/abort_request", "/flush_cache"}
-ADMIN_PREFIXES = ("/weight_sync/",)
 
 
 def is_loopback(host: str) -> bool:
@@ -269,25 +267,26 @@ class Server:
         return outs if batch else outs[0]
 
 
-def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key: str | None = None,
-               receiver=None, weights_from_peer: str | None = None, self_url: str | None = None) -> FastAPI:
-    """`receiver` (a weight_sync Receiver) adds the /weight_sync/* endpoints; `weights_from_peer`
-    makes a cold server ask that live peer to push its weights, and serve only once they landed."""
+def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key: str | None = None) -> FastAPI:
+    """SGLang's native API and OpenAI's over `engine`. More routes mount on it (weight sync does):
+    they extend `app.state.admin_prefixes` (gated like the admin paths), `cold_prefixes` (reachable
+    before a cold server has weights) and the `on_startup` / `on_shutdown` hooks."""
     server = Server(engine, model_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
         engine.start()
-        cold = asyncio.create_task(_pull_from_peer(weights_from_peer, self_url, api_key)) if weights_from_peer else None
+        for hook in app.state.on_startup:
+            hook()
         yield
-        if cold is not None:
-            cold.cancel()
-        if receiver is not None:
-            receiver.close()
+        for hook in app.state.on_shutdown:
+            hook()
         engine.shutdown()
 
     app = FastAPI(title="Riptide inference server", lifespan=lifespan)
     app.state.server = server
+    app.state.admin_prefixes, app.state.cold_prefixes = [], ["/get_", "/metrics"]
+    app.state.on_startup, app.state.on_shutdown = [], []
     admin_locked = api_key is None and not is_loopback(host)
     if admin_locked:
         log.warning("listening on %s without --api-key: admin endpoints are refused", host)
@@ -297,11 +296,11 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         if api_key is not None and authorization != f"Bearer {api_key}":
             return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <api-key>)"},
                                 status_code=401)
-        if admin_locked and (path in ADMIN_PATHS or path.startswith(ADMIN_PREFIXES)):
+        if admin_locked and (path in ADMIN_PATHS or path.startswith(tuple(app.state.admin_prefixes))):
             return JSONResponse({"error": f"{path} is an admin endpoint: start the server with --api-key "
                                           f"to use it on a non-loopback address ({host})"}, status_code=403)
-        if not engine.has_weights and not path.startswith(("/weight_sync/", "/get_", "/metrics")):
-            return JSONResponse({"error": f"no weights yet: waiting for {weights_from_peer} to push them"},
+        if not engine.has_weights and not path.startswith(tuple(app.state.cold_prefixes)):
+            return JSONResponse({"error": "no weights yet: waiting for a peer to push them (cold start)"},
                                 status_code=503)
         return None
 
@@ -310,12 +309,6 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         return JSONResponse({"error": validation_message(exc.errors())}, status_code=400)
-
-    from weight_sync.receiver import ReceiverError
-
-    @app.exception_handler(ReceiverError)
-    async def _refused(_, exc: ReceiverError):
-        return JSONResponse({"error": str(exc), "kind": exc.kind.value}, status_code=409)
 
     @app.exception_handler(ValueError)
     async def _bad(_, exc: ValueError):
@@ -379,14 +372,11 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         return {"success": True, "message": f"loaded {req.model_path}", "weight_version": str(version),
                 "stall_seconds": stall}
 
-    if receiver is not None:
-        add_weight_sync_routes(app, engine, receiver, api_key)
-
     # ---- information --------------------------------------------------------------------------
     @app.get("/health")
     async def health():
         alive = engine._thread is not None and engine._thread.is_alive()
-        torn = receiver is not None and receiver.torn
+        torn = engine.weights_torn
         ok = alive and not torn
         status = "ok" if ok else "engine stopped" if not alive else "weights torn by a failed in-place update"
         return JSONResponse({"status": status}, status_code=200 if ok else 503)
@@ -429,76 +419,3 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
 
     return app
-
-
-def add_weight_sync_routes(app: FastAPI, engine: Engine, receiver, api_key: str | None) -> None:
-    from weight_sync.protocol import ApplyRequest, CommitRequest, OpenRequest, PrepareRequest, PushToRequest, UpdateRef
-
-    @app.post("/weight_sync/open")
-    async def ws_open(req: OpenRequest = body(OpenRequest)):
-        return (await asyncio.to_thread(receiver.open, req)).model_dump()
-
-    @app.post("/weight_sync/apply")
-    async def ws_apply(req: ApplyRequest = body(ApplyRequest)):
-        await asyncio.to_thread(receiver.apply, req)
-        return {"success": True}
-
-    @app.post("/weight_sync/prepare")
-    async def ws_prepare(req: PrepareRequest = body(PrepareRequest)):
-        await asyncio.to_thread(receiver.prepare, req)
-        return {"success": True}
-
-    @app.post("/weight_sync/commit")
-    async def ws_commit(req: CommitRequest = body(CommitRequest)):
-        return (await asyncio.to_thread(receiver.commit, req)).model_dump()
-
-    @app.post("/weight_sync/abort")
-    async def ws_abort(req: UpdateRef = body(UpdateRef)):
-        await asyncio.to_thread(receiver.abort, req)
-        return {"success": True}
-
-    @app.get("/weight_sync/status")
-    async def ws_status():
-        return receiver.status()
-
-    @app.get("/weight_sync/digest")
-    async def ws_digest():
-        """blake2b of the live weights: equal digests mean the same weights are being served."""
-        from inference_server.weights import digest
-        return {"digest": await asyncio.to_thread(digest, engine.model), "weight_version": engine.version}
-
-    @app.post("/weight_sync/push_to")
-    async def ws_push_to(req: PushToRequest = body(PushToRequest)):
-        """Push the weights being served to another server (its cold start): no disk involved."""
-        from weight_sync import weights_of
-        from weight_sync.sender import WeightSync
-        if not engine.has_weights:
-            raise BadRequest("this server has no weights yet to push")
-
-        def push():
-            sync = WeightSync([req.receiver_url], transport=receiver.transport, bucket_bytes=req.bucket_bytes,
-                              timeout_s=req.timeout_s, api_key=api_key)
-            try:
-                return sync.push(weights_of(engine.model), engine.version)
-            finally:
-                sync.close(close_transport=False)
-        stats = await asyncio.to_thread(push)
-        return {"success": True, "version": stats.version, "bytes": stats.bytes, "seconds": stats.seconds}
-
-
-async def _pull_from_peer(peer: str, self_url: str, api_key: str | None) -> None:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
-        for attempt in range(30):      # our own endpoints may not be up for the first moments
-            try:
-                r = await client.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": self_url})
-            except httpx.HTTPError as e:
-                log.warning("cold start: %s not reachable (%s); retrying", peer, e)
-                await asyncio.sleep(1)
-                continue
-            if r.status_code == 200:
-                log.info("cold start: weights pulled from %s: %s", peer, r.json())
-                return
-            log.error("cold start from %s failed: %s", peer, r.text)
-            await asyncio.sleep(1)
-        log.error("cold start from %s gave up: this server keeps answering 503", peer)

@@ -1,4 +1,8 @@
-"""`riptide-serve` / `python -m inference_server`: flags named as SGLang's launcher names them."""
+"""`riptide-serve` / `python -m inference_server`: flags named as SGLang's launcher names them.
+
+The one module that wires the inference server and weight sync together: neither package imports
+the other; here the engine is adapted to the receiver's `ServingEngine` and the weight-sync routes
+mount on the server's app."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +15,10 @@ import time
 
 import uvicorn
 
-from inference_server.engine import Engine, EngineArgs
+from inference_server import weights
+from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app, is_loopback
+from weight_sync import routes
 from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
 from weight_sync.transports.mooncake import MooncakeTransport
@@ -54,6 +60,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+class EnginePort:
+    """The engine as weight sync sees it (`weight_sync.receiver.ServingEngine`)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def has_weights(self) -> bool:
+        return self.engine.has_weights
+
+    def parameters(self) -> dict:
+        return {n: p.data for n, p in weights.parameters(self.engine.model).items()}
+
+    def pause(self) -> None:
+        self.engine.pause(PauseMode.IN_PLACE).result()
+
+    def resume(self) -> None:
+        self.engine.resume().result()
+
+    def abort_all(self) -> int:
+        return len(self.engine.abort(None).result())
+
+    def swap(self, tensors: dict, version: int) -> float:
+        stall = self.engine.swap_weights(tensors, version).result()
+        self.engine.free_retired()          # the engine lets go of the old set; the caller may keep it
+        return stall
+
+    def set_version(self, version: int) -> None:
+        self.engine.set_version(version).result()
+
+    def mark_torn(self, torn: bool) -> None:
+        self.engine.weights_torn = torn
+
+
 def watch_parent(pid: int) -> None:
     """Stop this server (SIGTERM: a clean shutdown) once the process that launched it is gone."""
     def run():
@@ -77,12 +121,12 @@ def main(argv: list[str] | None = None) -> None:
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                                weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                                load_weights=a.weights_from_peer is None))
-    receiver = Receiver(engine, functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
-                                                  a.weight_sync_protocol, a.weight_sync_device),
+    receiver = Receiver(EnginePort(engine), functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
+                                                              a.weight_sync_protocol, a.weight_sync_device),
                         shadow=a.weight_sync_mode == "shadow",
                         peer_status=functools.partial(receiver_status, api_key=a.api_key))
-    app = create_app(engine, a.model_path, a.host, a.api_key, receiver=receiver,
-                     weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
+    app = create_app(engine, a.model_path, a.host, a.api_key)
+    routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
     if not is_loopback(a.host) and a.api_key is None:
         logging.getLogger(__name__).warning("admin endpoints are refused on %s without --api-key", a.host)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, timeout_keep_alive=75)

@@ -1,7 +1,6 @@
 """Read, check and swap in whole sets of weights by their checkpoint names."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -51,12 +50,3 @@ def swap_in(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[to
         old.append(p.data)
         p.data = tensors[name]
     return old
-
-
-def digest(model: torch.nn.Module) -> str:
-    """blake2b over every parameter's bytes in name order: equal digests mean equal live weights."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, p in sorted(parameters(model).items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()

@@ -297,6 +297,7 @@ def test_in_place_mode_flips_and_reports_the_stall(fresh_server, new_model):
 def test_colocated_push_through_the_in_process_transport(tiny_model, new_model):
     from inference_server.engine import Engine, EngineArgs
     from inference_server.sequence import SamplingParams, Sequence
+    from inference_server.launch import EnginePort
     from weight_sync.clients import LocalReceiverClient
     from weight_sync.receiver import Receiver
     from weight_sync.sender import WeightSync
@@ -304,7 +305,7 @@ def test_colocated_push_through_the_in_process_transport(tiny_model, new_model):
     engine = Engine(EngineArgs(tiny_model, context_length=256))
     engine.start()
     transport = InProcessTransport()
-    sync = WeightSync([LocalReceiverClient(Receiver(engine, lambda: transport))], transport=transport,
+    sync = WeightSync([LocalReceiverClient(Receiver(EnginePort(engine), lambda: transport))], transport=transport,
                       bucket_bytes=BUCKET)
     try:
         stats = sync.push(new_model, version=7)
@@ -467,7 +468,8 @@ def test_a_prepared_server_that_missed_the_commit_completes(fresh_server, new_mo
 def test_receiver_refuses_every_illegal_transition(tiny_model):
     """idle -> open -> staged -> prepared -> committed | aborted, on a receiver in this process."""
     from inference_server.engine import Engine, EngineArgs
-    from weight_sync import weights_of
+    from inference_server.launch import EnginePort
+    from weight_sync import named_weights
     from weight_sync.bucket import pack, digest, plan_buckets, TensorSpec
     from weight_sync.protocol import (ApplyRequest, CommitRequest, ErrorKind, OpenRequest, PrepareRequest,
                                       UpdateRef)
@@ -476,8 +478,8 @@ def test_receiver_refuses_every_illegal_transition(tiny_model):
     engine = Engine(EngineArgs(tiny_model, context_length=256))
     engine.start()
     transport = InProcessTransport()
-    r = Receiver(engine, lambda: transport)
-    tensors = {n: t.clone() for n, t in weights_of(engine.model).items()}
+    r = Receiver(EnginePort(engine), lambda: transport)
+    tensors = {n: t.clone() for n, t in named_weights(engine.model).items()}
     local = torch.empty(BUCKET, dtype=torch.uint8)
     transport.register(local)
 

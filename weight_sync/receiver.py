@@ -34,18 +34,32 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
-from inference_server import weights
-from inference_server.engine import PauseMode
 from weight_sync.bucket import Bucket, TensorSpec, plan_buckets, unpack_verified
 from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, InFlight, OpenReply,
                                   OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport
 
 log = logging.getLogger(__name__)
+
+
+class ServingEngine(Protocol):
+    """What a receiver needs of the server it feeds; the launcher adapts its engine to it. Each call
+    returns once done, run between two decode steps where it touches what is served."""
+
+    version: int                 # the version being served
+    has_weights: bool            # False until a cold server's first update lands
+
+    def parameters(self) -> dict[str, torch.Tensor]: ...       # the live tensors, by checkpoint name
+    def pause(self) -> None: ...                              # keep requests and their KV; stop stepping
+    def resume(self) -> None: ...
+    def abort_all(self) -> int: ...                           # requests aborted
+    def swap(self, tensors: dict[str, torch.Tensor], version: int) -> float: ...   # stall seconds
+    def set_version(self, version: int) -> None: ...          # the live tensors were written in place
+    def mark_torn(self, torn: bool) -> None: ...              # live weights mixed: refuse to serve
 
 
 class ReceiverError(Exception):
@@ -84,7 +98,7 @@ class _Update:
 
 
 class Receiver:
-    def __init__(self, engine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
+    def __init__(self, engine: ServingEngine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
                  peer_status: Callable[[str], dict] | None = None):
         self.engine = engine
         self.shadow = shadow
@@ -100,7 +114,7 @@ class Receiver:
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self.torn = False                    # in-place update failed half way: weights are mixed
+        self.torn = False                    # in-place update under way or failed: weights are mixed
 
     @property
     def transport(self) -> Transport:
@@ -109,7 +123,7 @@ class Receiver:
         return self._transport
 
     def specs(self) -> list[TensorSpec]:
-        return [TensorSpec.of(n, p) for n, p in weights.parameters(self.engine.model).items()]
+        return [TensorSpec.of(n, p) for n, p in self.engine.parameters().items()]
 
     @property
     def stage(self) -> Stage:
@@ -154,9 +168,9 @@ class Receiver:
                 raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range "
                                                      f"({len(update.plan)} buckets, {len(update.slots)} slots)")
             if not self.shadow and update.paused_at is None:
-                self.engine.pause(PauseMode.IN_PLACE).result()
+                self.engine.pause()
                 update.paused_at = time.perf_counter()
-                self.torn = True                 # from here until commit the live weights are mixed
+                self._set_torn(True)             # from here until commit the live weights are mixed
             bucket = update.plan[req.bucket]
             got = unpack_verified(bucket, update.slots[req.slot], update.targets)
             if got != req.digest:
@@ -191,17 +205,16 @@ class Receiver:
             update = self._current(req)
             if update.stage is not Stage.PREPARED:
                 raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared ({update.stage.value})")
-            aborted = len(self.engine.abort(None).result()) if req.inflight is InFlight.ABORT else 0
+            aborted = self.engine.abort_all() if req.inflight is InFlight.ABORT else 0
             if self.shadow:
-                old = {n: p.data for n, p in weights.parameters(self.engine.model).items()}
-                stall = self.engine.swap_weights(update.targets, req.version).result()
-                self.engine.free_retired()   # drops the engine's references; `old` keeps the set alive
+                old = self.engine.parameters()
+                stall = self.engine.swap(update.targets, req.version)
                 self._shadow = old           # the old live set is the next update's shadow
             else:
-                self.engine.set_version(req.version).result()
-                self.engine.resume().result()
+                self.engine.set_version(req.version)
+                self.engine.resume()
                 stall = time.perf_counter() - (update.paused_at or time.perf_counter())
-                self.torn = False
+                self._set_torn(False)
             self._committed.append(req.update_id)
             self._end(update, Stage.COMMITTED)
             return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
@@ -267,6 +280,10 @@ class Receiver:
         if self._update is update:
             self._update = None
 
+    def _set_torn(self, torn: bool) -> None:
+        self.torn = torn
+        self.engine.mark_torn(torn)
+
     def _expired(self, update: _Update) -> bool:
         return time.monotonic() - update.started > self.stage_timeout_s
 
@@ -288,9 +305,9 @@ class Receiver:
         update.slots = []
 
     def _targets(self) -> dict[str, torch.Tensor]:
-        params = weights.parameters(self.engine.model)
+        live = self.engine.parameters()
         if not self.shadow:
-            return {n: p.data for n, p in params.items()}
-        if self._shadow is None or any(self._shadow[n].shape != p.shape for n, p in params.items()):
-            self._shadow = {n: torch.empty_like(p) for n, p in params.items()}
+            return live
+        if self._shadow is None:
+            self._shadow = {n: torch.empty_like(p) for n, p in live.items()}
         return self._shadow

@@ -26,6 +26,7 @@ from typing import Iterable
 
 import torch
 
+from weight_sync import named_weights
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, digest, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.protocol import (ApplyRequest, CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest,
@@ -87,13 +88,6 @@ class _Peer:
         return self.error is None and self.reply is not None
 
 
-def named_tensors(weights) -> dict[str, torch.Tensor]:
-    """A module's state dict, or a mapping / iterable of (name, tensor) as a dict."""
-    if isinstance(weights, torch.nn.Module):
-        return dict(weights.state_dict(keep_vars=False))
-    return dict(weights)
-
-
 class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
                  num_slots: int = 2, timeout_s: float = 30.0, allow_partial: bool = False, max_retries: int = 2,
@@ -119,7 +113,7 @@ class WeightSync:
         inflight = InFlight(inflight)
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
-        tensors = named_tensors(weights)
+        tensors = named_weights(weights)
         peers = [_Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
