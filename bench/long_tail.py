@@ -26,28 +26,8 @@ step is fixed, half grows with its tokens. 0.3 means rollout is 70% of a synchro
 (arXiv 2509.21009) measures for synchronous RL post-training; APRIL (arXiv 2509.18521) reports over 90%
 (share < 0.1). --train-a/--train-b set them by hand instead.
 
-What bounds the speedup: with G_sync and G_async the generation time of a batch in each mode and T a
-train step, speedup <= (G_sync + T) / max(T, G_async), largest (1 + G_sync / G_async) when
-T = G_async. In terms of the train share S = T / (G_sync + T) and E = G_sync / G_async: speedup <=
-E / (1 - S) while S <= 1 / (1 + E) (generation bounds the async run), else <= 1 / S (training does:
-S = 0.5 caps it at 2).
-How much faster async generation is, E, has two parts here. (1) A token is cheaper in a full decode
-step than in a batch's tail (sync_ms_per_token / async_ms_per_token, server-busy time a token: 1.5-1.65
-on 2 servers). On this CPU a step's cost grows almost linearly past a few rows; on a GPU it is nearly
-flat, so a tail of a few rows costs as much as a full step and this part is far larger there. (2) In
-sync, a server that is done with its share of the batch idles until the other's tail ends
-(sync_busy_ratio ~0.58, async ~0.99). Together E ~ 1.9 here (generated tokens a second while
-generating: ~2150 sync, ~4100 async), so at S = 0.3 speedup <= ~2.7 in generated tokens. What a finite
-run keeps from that: ~9% of the async run's tokens are still in partial samples when it ends (the
-pipeline's depth; its other face is the wait for the first batch), and ~4% are dropped as stale: a
-sample of L tokens spans ~ L * step time / train step versions, so the longest ones (1024 tokens at
-~9.5 ms a step, ~5.5 versions) cannot finish within --max-staleness 4. Counted in samples the async
-run does ~6% better than in tokens, since what it drops as stale are long samples.
---async-inflight: 48 runs ~20 rows a step on each server; 64 only ~21 (the groups in progress,
-batch_size x oversample, hold them); --oversample 2.5 gives 23.5 rows but drops 8.5% of tokens as
-stale. --steps (40): the pipeline's depth weighs 1/steps; at 20 steps the speedup was 2.46-2.58 (7
-runs, median 2.55) with 3.7% of tokens dropped as stale, at 40 2.54-2.81 (7 runs, median 2.66) with 6.2%
-(the steady state has more long samples in flight). A real job runs hundreds of steps.
+What bounds the speedup, what a run keeps of it, and the measurements behind the defaults:
+docs/long_tail.md.
 
  (a) sync: per step, batch_size groups x group_size samples, all requested at once through one
      Router (least in flight: spread evenly over the servers; same client as the manager), wait for
@@ -59,10 +39,6 @@ runs, median 2.55) with 3.7% of tokens dropped as stale, at 40 2.54-2.81 (7 runs
  Order (--order abba): half of (a)'s steps, then (b), then the other half of (a) on the next items, so
  that a drift in this VM's speed over the run (it swings by 10-25% between minutes) weighs on both modes
  alike; --order ab runs all of (a) first.
-Server layout (--servers): on this 2-core VM, one server (big steps split over 2 threads) against two
-one-thread servers, default settings otherwise: sync 10.9-11.2 samples/s on one (a run in each of two
-sessions), 12.5-15.7 on two (12 runs); async 27.4-29.8 on one, 30.5-38.9 on two.
-
 Metrics: samples/s = trained samples / wall (first request to last push; the two sync halves summed);
 busy ratio = delta of the servers' stats.busy_seconds / wall / servers; max staleness of any trained sample at consumption
 (`s.staleness(trainer_version)`); samples lost = started, and neither trained, nor pending after stop(),

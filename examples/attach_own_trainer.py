@@ -28,12 +28,12 @@ with RolloutBackend(cfg) as backend:
     backend.start(model)                                          # initial weights, version 0
     for step in range(steps):
         batch = backend.next_batch()                              # padded tensors + advantages
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-        mask = batch["loss_mask"][:, 1:]
-        loss = -(logp * batch["advantages"][:, None] * mask).sum() / mask.sum()
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, batch.input_ids[:, 1:, None])[..., 0]
+        mask = batch.loss_mask[:, 1:]
+        loss = -(logp * batch.advantages[:, None] * mask).sum() / mask.sum()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         backend.push_weights(model, version=step + 1)             # streamed over Mooncake, two-phase
-        print(f"step {step}: reward {batch['rewards'].mean():.3f}  staleness {batch['metrics']['max_staleness']}")
+        print(f"step {step}: reward {batch.rewards.mean():.3f}  staleness {batch.metrics['max_staleness']}")

@@ -22,7 +22,7 @@ import torch
 
 from inference_server import weights
 from inference_server.device import choose_device, choose_dtype, usable_cores
-from inference_server.model_runner import CALL_COST, chunk_cost, make_runner
+from inference_server.model_runner import make_runner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Sequence
@@ -114,9 +114,9 @@ class Engine:
         self.context_length = args.context_length or min(getattr(cfg, "max_position_embeddings", 4096), 4096)
         self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.cpu_threads = cpu_threads(args.cpu_threads) if self.device.type == "cpu" else None
-        self.runner = make_runner(self.model, args.max_running_requests, self.context_length)
-        if (args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2 and hasattr(self.runner, "enable_split")):
-            self.runner.enable_split(threads=1)
+        split = args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2
+        self.runner = make_runner(self.model, args.max_running_requests, self.context_length,
+                                  split_threads=1 if split else None)
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
@@ -209,21 +209,12 @@ class Engine:
             self._slots_dirty = True
 
     def _sort_slots(self) -> None:
-        """Keep KV slots in length order (longest first) when that makes decode attention cheaper
-        by more than the copy costs. All running sequences grow by one token a step, so the order
-        holds until a sequence joins or leaves; only then is it checked."""
+        """Renumber KV slots when the runner finds an order worth the copy (only checked after a
+        sequence joined or left: every running row grows by one token a step)."""
         self._slots_dirty = False
-        running = self.scheduler.running
-        if not getattr(self.runner, "sorts_slots", False) or len(running) < 3:
-            return
-        lengths = [s.num_tokens for s in running]
-        if all(a >= b for a, b in zip(lengths, lengths[1:])):
-            return                              # already longest-first
-        order = sorted(range(len(running)), key=lambda i: -lengths[i])
-        now, best = chunk_cost(lengths), chunk_cost([lengths[i] for i in order])
-        # a reorder copies the moved slots once; it pays off within a few steps when the gain is real
-        if now - best > max(0.1 * best, 4 * CALL_COST):
-            self.runner.reorder(order, lengths)
+        order = self.runner.better_order([s.num_tokens for s in self.scheduler.running])
+        if order is not None:
+            self.runner.reorder(order, [s.num_tokens for s in self.scheduler.running])
             self.scheduler.reorder(order)
             self.stats.slot_sorts += 1
 

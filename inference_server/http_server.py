@@ -62,7 +62,12 @@ class _Gate:
 
 
 class BadRequest(ValueError):
-    """A request the server understood but cannot serve; the message names the field."""
+    """A request the server understood but cannot serve; the message names the field, and `field`
+    carries it (`sampling_params.max_new_tokens`) into the 400 reply for clients to act on."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "none"}
@@ -106,7 +111,7 @@ def body(model: type[BaseModel]):
         try:
             return model.model_validate(data)
         except ValidationError as e:
-            raise BadRequest(validation_message(e.errors())) from None
+            raise BadRequest(validation_message(e.errors()), _field(tuple(e.errors()[0]["loc"]))) from None
     return Depends(parse)
 
 
@@ -151,10 +156,10 @@ class Server:
     def sampling(self, sp: SamplingParamsIn, field: str = "sampling_params") -> SamplingParams:
         if sp.max_new_tokens > self.engine.context_length:
             raise BadRequest(f"'{field}.max_new_tokens' is {sp.max_new_tokens}, more than the context "
-                             f"length {self.engine.context_length}")
+                             f"length {self.engine.context_length}", f"{field}.max_new_tokens")
         bad = next((t for t in sp.stop_token_ids or [] if not 0 <= t < self.engine.vocab_size), None)
         if bad is not None:
-            raise BadRequest(f"'{field}.stop_token_ids' holds {bad}, outside the vocabulary")
+            raise BadRequest(f"'{field}.stop_token_ids' holds {bad}, outside the vocabulary", f"{field}.stop_token_ids")
         return SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, stop=sp.stop_list,
                               stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
@@ -216,24 +221,30 @@ class Server:
                 events.put_nowait, (i, len(seq.output_ids), seq.finished))
         return events
 
-    async def run(self, seqs: list[Sequence], disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
-        """Wait for every sequence to finish; abort them if the caller goes away (cancelled, or
-        `disconnected()` turns true: a client that gave up on a frozen server and moved on)."""
+    async def updates(self, seqs: list[Sequence],
+                      disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[tuple[int, int, bool]]:
+        """(index, tokens so far, finished) as the engine reports them, until every sequence has
+        finished. Leaving early aborts what is left: the caller cancelled or stopped reading, or
+        `disconnected()` turned true (a client that gave up on a frozen server and moved on)."""
         events = self.attach(seqs)
         await asyncio.wrap_future(self.engine.add(seqs))
         pending = len(seqs)
         watch = asyncio.ensure_future(self._abort_on_disconnect(seqs, disconnected)) if disconnected else None
         try:
             while pending:
-                _, _, finished = await events.get()
+                i, n, finished = await events.get()
                 pending -= finished
-        except asyncio.CancelledError:
-            for s in seqs:
-                self.engine.abort(s.rid)
-            raise
+                yield i, n, finished
         finally:
             if watch is not None:
                 watch.cancel()
+            if pending:
+                self.engine.abort([s.rid for s in seqs])
+
+    async def run(self, seqs: list[Sequence], disconnected: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """Wait for every sequence to finish (see `updates`)."""
+        async for _ in self.updates(seqs, disconnected):
+            pass
 
     async def _abort_on_disconnect(self, seqs: list[Sequence], disconnected) -> None:
         while not await disconnected():
@@ -241,22 +252,12 @@ class Server:
         self.engine.abort([s.rid for s in seqs])
 
     async def stream(self, seqs: list[Sequence], flags: list[bool], batch: bool) -> AsyncIterator[str]:
-        events = self.attach(seqs)
-        await asyncio.wrap_future(self.engine.add(seqs))
-        pending = len(seqs)
-        try:
-            while pending:
-                i, n, finished = await events.get()
-                pending -= finished
-                out = self.output(seqs[i], n, flags[i], finished)
-                if batch:
-                    out["index"] = i
-                yield f"data: {json.dumps(out)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if pending:
-                for s in seqs:
-                    self.engine.abort(s.rid)
+        async for i, n, finished in self.updates(seqs):
+            out = self.output(seqs[i], n, flags[i], finished)
+            if batch:
+                out["index"] = i
+            yield f"data: {json.dumps(out)}\n\n"
+        yield "data: [DONE]\n\n"
 
     async def generate(self, req: GenerateReqInput, disconnected=None):
         seqs, flags, batch = self.sequences(req)
@@ -287,6 +288,29 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
     app.state.server = server
     app.state.admin_prefixes, app.state.cold_prefixes = [], ["/get_", "/metrics"]
     app.state.on_startup, app.state.on_shutdown = [], []
+    app.add_middleware(_Gate, gate=_gate(app, engine, host, api_key))
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        return JSONResponse({"error": validation_message(exc.errors())}, status_code=400)
+
+    @app.exception_handler(ValueError)
+    async def _bad(_, exc: ValueError):
+        field = getattr(exc, "field", None)
+        return JSONResponse({"error": str(exc), **({"field": field} if field else {})}, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception):
+        log.exception("%s failed", request.url.path)
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
+    _generation_routes(app, server)
+    _control_routes(app, engine)
+    _info_routes(app, server, host)
+    return app
+
+
+def _gate(app: FastAPI, engine: Engine, host: str, api_key: str | None):
     admin_locked = api_key is None and not is_loopback(host)
     if admin_locked:
         log.warning("listening on %s without --api-key: admin endpoints are refused", host)
@@ -303,23 +327,10 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
             return JSONResponse({"error": "no weights yet: waiting for a peer to push them (cold start)"},
                                 status_code=503)
         return None
+    return gate
 
-    app.add_middleware(_Gate, gate=gate)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_, exc: RequestValidationError):
-        return JSONResponse({"error": validation_message(exc.errors())}, status_code=400)
-
-    @app.exception_handler(ValueError)
-    async def _bad(_, exc: ValueError):
-        return JSONResponse({"error": str(exc)}, status_code=400)
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception):
-        log.exception("%s failed", request.url.path)
-        return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-
-    # ---- generation -----------------------------------------------------------------------
+def _generation_routes(app: FastAPI, server: Server) -> None:
     @app.post("/generate")
     async def generate(request: Request, req: GenerateReqInput = body(GenerateReqInput)):
         return await server.generate(req, request.is_disconnected)
@@ -334,7 +345,8 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         from inference_server.openai_api import chat_completion
         return await chat_completion(server, req)
 
-    # ---- control ----------------------------------------------------------------------------
+
+def _control_routes(app: FastAPI, engine: Engine) -> None:
     @app.post("/abort_request")
     async def abort_request(req: AbortReqInput = body(AbortReqInput)):
         if not req.abort_all and not req.rid:
@@ -372,7 +384,10 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         return {"success": True, "message": f"loaded {req.model_path}", "weight_version": str(version),
                 "stall_seconds": stall}
 
-    # ---- information --------------------------------------------------------------------------
+
+def _info_routes(app: FastAPI, server: Server, host: str) -> None:
+    engine, model_path = server.engine, server.model_path
+
     @app.get("/health")
     async def health():
         alive = engine._thread is not None and engine._thread.is_alive()
@@ -417,5 +432,3 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
-
-    return app

@@ -1,13 +1,14 @@
 """Runs the model: prefill of newcomers, batched decode over the KV cache, logits of the last token.
 
-Two runners behind one interface. `DecoderRunner` is the fast path for the Llama-style decoder
-family (Llama, Mistral, Qwen2, Qwen3): it calls the transformers model's own submodules (so its
-parameters, names and weight updates are the checkpoint's) but owns the attention and the KV
+Two runners behind one interface (`Runner`). `DecoderRunner` is the fast path for the Llama-style
+decoder family (Llama, Mistral, Qwen2, Qwen3): it calls the transformers model's own submodules (so
+its parameters, names and weight updates are the checkpoint's) but owns the attention and the KV
 cache. `GenericRunner` serves any other causal LM through its own forward, one sequence at a time.
+On a CPU with one thread a step, `cpu_split.SplitStepRunner` wraps a DecoderRunner.
 """
 from __future__ import annotations
 
-import time
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,10 +21,6 @@ _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 # What one attention call costs beyond its data, in key positions of one row (measured on CPU: a
 # decode-attention call has ~20-40 us of fixed cost, a key position ~0.13 us).
 CALL_COST = 256
-# Where a split step cuts its rows, in the same units: a decode row's work beyond its key positions,
-# and a prefill token's (rough CPU figures for a tiny decoder: a prefill token costs about as much
-# as 200 key positions of decode attention). The runner's learnt share corrects them step by step.
-ROW_WORK, PREFILL_WORK = 64, 200
 
 
 def plan_chunks(lengths: list[int], call_cost: int = CALL_COST) -> list[tuple[int, int, int]]:
@@ -59,6 +56,27 @@ def chunk_cost(lengths: list[int], call_cost: int = CALL_COST) -> int:
     return sum((end - start) * longest + call_cost for start, end, longest in plan_chunks(lengths, call_cost))
 
 
+class Runner(Protocol):
+    """What the engine calls. `decode[b]` owns KV slot b; a newcomer's slot is set by the scheduler."""
+
+    def step(self, decode: list[Sequence], prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
+        """The next token and its logprob for each of decode + prefill."""
+
+    def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:
+        """Next-token logits, [len(decode) + len(prefill), vocab]."""
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """The sequence in slot `src` now lives in slot `dst` (its first `length` positions)."""
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def better_order(self, lengths: list[int]) -> list[int] | None:
+        """A permutation of the slots (by `lengths`, per slot) worth a `reorder`, or None."""
+
+    def reorder(self, order: list[int], lengths: list[int]) -> None:
+        """New slot i takes old slot order[i]."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -90,9 +108,6 @@ class DecoderRunner:
         self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
                               self.head_dim, param.dtype, param.device)
         self._plan_key: tuple = ()
-        self._helper = None                          # enable_split()
-        self.split_min_rows = 0
-        self._share = 0.5                            # of a split step's work that the helper takes
         self._cuts: list[tuple[int, int]] = []
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,60 +142,14 @@ class DecoderRunner:
         prompt (prompt + any output so far) of each newcomer, in one pass through the layers.
         Returns the next-token logits, [len(decode) + len(prefill), vocab], in that order."""
         pos = [s.num_tokens - 1 for s in decode]
-        return self._part(decode, pos, 0, self._plan(decode, pos), prefill)
+        return self.part(decode, pos, 0, self.plan(decode, pos), prefill)
 
     def step(self, decode: list[Sequence], prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
-        """`forward`, then `sampler`: the next token and its logprob for each of decode + prefill.
+        """`forward`, then `sampler`: the next token and its logprob for each of decode + prefill."""
+        return sampler(self.forward(decode, prefill), decode + prefill)
 
-        With a helper thread (`split`), a large step runs as two parts of the rows, one per thread,
-        each an ordinary single-threaded pass that also samples its rows: on a CPU whose second core
-        is shared with the HTTP thread and a rollout client, the helper's part picks up whatever that
-        core has free, with none of an OpenMP team's barrier stalls when it has none."""
-        b = len(decode)
-        if self._helper is None or b < self.split_min_rows:
-            return sampler(self.forward(decode, prefill), decode + prefill)
-        pos = [s.num_tokens - 1 for s in decode]
-        chunks = self._plan(decode, pos)
-        # cut the rows where the work (padded key positions and a per-row share) splits evenly between
-        # the two threads; the engine thread's side also takes the newcomers' prefill. A chunk that
-        # spans the cut becomes two, each padded only to its own longest row.
-        work = []
-        for start, end, longest in chunks:
-            work += [longest + ROW_WORK] * (end - start)
-        total = sum(work)
-        target = self._share * (total + PREFILL_WORK * sum(s.num_tokens for s in prefill))
-        acc, mid = 0, 0
-        for w in work[:-1] if not prefill else work:
-            if acc + w / 2 > target:
-                break
-            acc += w
-            mid += 1
-        mid = max(mid, 1)
-
-        def part(lo: int, hi: int) -> list[tuple[int, int, int]]:
-            return [(max(a, lo), min(e, hi), max(pos[max(a, lo):min(e, hi)]) + 1)
-                    for a, e, _ in chunks if a < hi and e > lo]
-        u = sampler.draw(decode + prefill)
-        u1, u2 = (None, None) if u is None else (u[:mid], u[mid:])
-        first = self._helper.submit(self._sampled_part_in_helper, sampler, u1,
-                                    decode[:mid], pos[:mid], 0, part(0, mid), [])
-        t = time.perf_counter()
-        logits = self._part(decode[mid:], pos[mid:], mid, part(mid, b), prefill)
-        tokens, logprobs = sampler.sample(logits, decode[mid:] + prefill, u2)
-        t_own = time.perf_counter() - t
-        (tokens1, logprobs1), t_helper = first.result()
-        # move the cut toward equal times: the thread that took longer gets less next step
-        self._share = min(0.95, max(0.05, self._share + 0.02 * (t_own - t_helper) / (t_own + t_helper)))
-        return tokens1 + tokens, logprobs1 + logprobs
-
-    def _sampled_part_in_helper(self, sampler, u, decode, *args) -> tuple[tuple[list, list], float]:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = sampler.sample(self._part(decode, *args), decode, u)
-        return out, time.perf_counter() - t
-
-    def _part(self, decode: list[Sequence], pos: list[int], slot0: int, chunks,
-              prefill: list[Sequence]) -> torch.Tensor:
+    def part(self, decode: list[Sequence], pos: list[int], slot0: int, chunks,
+             prefill: list[Sequence]) -> torch.Tensor:
         """Decode rows `decode` at positions `pos` (slots slot0 ...; `chunks` in absolute slots)
         plus the newcomers."""
         b = len(decode)
@@ -230,14 +199,7 @@ class DecoderRunner:
         rows = list(range(b)) + [start + n - 1 for _, start, n in spans]
         return self._logits(x[torch.tensor(rows, device=self.device)] if spans else x)
 
-    def enable_split(self, threads: int, min_rows: int = 16) -> None:
-        """Run steps of at least `min_rows` decode rows as two halves, one on a helper thread."""
-        import concurrent.futures
-        self.split_min_rows = min_rows
-        self._helper = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="riptide-step-half", initializer=torch.set_num_threads, initargs=(threads,))
-
-    def _plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
+    def plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
         """plan_chunks for this step. Every running row grows by one token a step, so the cut points
         stay right until the batch changes: they are recomputed only then."""
         key = tuple(id(s) for s in decode)
@@ -252,7 +214,16 @@ class DecoderRunner:
     def release(self, seq: Sequence) -> None:
         pass
 
-    sorts_slots = True      # decode attention is cheapest with slots in length order (plan_chunks)
+    def better_order(self, lengths: list[int]) -> list[int] | None:
+        """Longest first, when that makes decode attention (plan_chunks) cheaper by more than the
+        copy costs: a reorder copies the moved slots once and pays off within a few steps when the
+        gain is real. Every running row grows by one token a step, so an order holds until a
+        sequence joins or leaves."""
+        if len(lengths) < 3 or all(a >= b for a, b in zip(lengths, lengths[1:])):
+            return None
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        now, best = chunk_cost(lengths), chunk_cost([lengths[i] for i in order])
+        return order if now - best > max(0.1 * best, 4 * CALL_COST) else None
 
     def reorder(self, order: list[int], lengths: list[int]) -> None:
         """Permute KV slots: new slot i takes old slot order[i] (`lengths` by old slot)."""
@@ -290,7 +261,20 @@ class GenericRunner:
         if seq.slot is not None:
             self.caches[seq.slot] = None
 
+    def better_order(self, lengths: list[int]) -> None:
+        return None                  # its caches do not care where a sequence's slot is
 
-def make_runner(model, num_slots: int, context_length: int):
-    cls = DecoderRunner if supports_fast_path(model) else GenericRunner
-    return cls(model, num_slots, context_length)
+    def reorder(self, order: list[int], lengths: list[int]) -> None:
+        raise NotImplementedError
+
+
+def make_runner(model, num_slots: int, context_length: int, split_threads: int | None = None) -> Runner:
+    """The fast path where the model's family has one, else the generic one; `split_threads` (CPU,
+    one thread a step) runs big fast-path steps as two parts (cpu_split)."""
+    if not supports_fast_path(model):
+        return GenericRunner(model, num_slots, context_length)
+    runner = DecoderRunner(model, num_slots, context_length)
+    if split_threads is None:
+        return runner
+    from inference_server.cpu_split import SplitStepRunner
+    return SplitStepRunner(runner, threads=split_threads)

@@ -2,13 +2,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
-
-_counter = itertools.count()
-
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"      # queued; holds no KV slot
@@ -54,8 +50,6 @@ class Sequence:
     prefill_version: int | None = None       # weights that computed the KV cache of the prompt
     num_retractions: int = 0
     arrival: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    order: int = field(default_factory=lambda: next(_counter))
     generator: Any = None                     # torch.Generator when params.seed is set
 
     @property
@@ -74,8 +68,6 @@ class Sequence:
         return self.rid == rid or self.group_rid == rid
 
     def append(self, token: int, logprob: float, version: int) -> None:
-        if self.first_token_at is None:
-            self.first_token_at = time.monotonic()
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)

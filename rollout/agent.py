@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from rollout.types import Sample, SampleStatus
 
 if TYPE_CHECKING:
-    from rollout.manager import RolloutContext
+    from rollout.context import RolloutContext
 
 RolloutFn = Callable[[Sample, "RolloutContext"], Awaitable[Sample]]
 
 
 async def single_turn(sample: Sample, ctx: "RolloutContext") -> Sample:
     """One response; a sample resumed after a restart continues within the same token budget."""
-    left = ctx.manager.cfg.max_new_tokens - sample.num_generated
+    left = ctx.max_new_tokens - sample.num_generated
     if left > 0:
         await ctx.generate(sample, max_new_tokens=left)
     else:

@@ -2,8 +2,8 @@
 optional `output_token_versions`), so it drives a real SGLang server unchanged.
 
 Every call has a timeout. Only errors where the request never reached the server (connection
-refused, DNS) are retried here, on the same server; anything else is raised as ServerError for the
-router to move the request elsewhere.
+refused, DNS) are retried here, on the same server; a 4xx is raised as RequestRefused (the request
+itself is wrong), anything else as ServerError for the router to move the request elsewhere.
 """
 from __future__ import annotations
 
@@ -14,9 +14,25 @@ import httpx
 
 
 class ServerError(RuntimeError):
-    def __init__(self, server: str, message: str, retryable: bool = True):
+    """A request that did not get an answer (or got a 5xx): it may succeed on another server."""
+
+    def __init__(self, server: str, message: str):
         super().__init__(f"server {server}: {message}")
-        self.server, self.retryable = server, retryable
+        self.server = server
+
+
+class RequestRefused(ServerError):
+    """The server answered 4xx: this request, as sent, fails on any server. `field` names the
+    request field it refused when the server says so (Riptide's servers do)."""
+
+    def __init__(self, server: str, message: str, field: str | None = None):
+        super().__init__(server, message)
+        self.field = field
+
+    @property
+    def refuses_sampling_params(self) -> bool:
+        """The sampling parameters themselves (the rollout config) are refused, not this prompt."""
+        return self.field is not None and self.field.startswith("sampling_params")
 
 
 @dataclass
@@ -57,8 +73,8 @@ class ServerClient:
         if r.status_code >= 500:
             raise ServerError(self.url, f"{path} answered {r.status_code}: {r.text[:300]}")
         if r.status_code >= 400:
-            raise ServerError(self.url, f"{path} refused the request ({r.status_code}): {r.text[:300]}",
-                              retryable=False)
+            field = r.json().get("field") if r.headers.get("content-type", "").startswith("application/json") else None
+            raise RequestRefused(self.url, f"{path} refused the request ({r.status_code}): {r.text[:300]}", field)
         return r.json()
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
@@ -82,8 +98,8 @@ class ServerClient:
             return
         try:
             await self._post("/abort_request", {"rid": rids if len(rids) > 1 else rids[0]}, timeout=10)
-        except ServerError as e:
-            if e.retryable or len(rids) == 1:
+        except RequestRefused:
+            if len(rids) == 1:
                 raise
             await asyncio.gather(*(self._post("/abort_request", {"rid": r}, timeout=10) for r in rids))
 

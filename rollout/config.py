@@ -1,10 +1,23 @@
 """The rollout manager's settings, checked once, with messages that say what to change."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-UPDATE_POLICIES = ("abort_furthest", "abort_all", "continue")
-STALE_POLICIES = ("drop", "regenerate")
+
+# Members are named as their values: Hydra (OmegaConf) takes an enum field by member name, so
+# `rollout.update_policy=continue` must be a name (a keyword, hence the functional form).
+UpdatePolicy = enum.Enum("UpdatePolicy", [(v, v) for v in ("abort_furthest", "abort_all", "continue")], type=str)
+UpdatePolicy.__doc__ = """What a new weight version does to the requests in flight: abort_furthest aborts
+abort_fraction of them, furthest from done, while rollout is a batch ahead; abort_all aborts every
+one; continue lets them finish under the new weights (their KV came from the old). An aborted
+request resumes at once under the new weights."""
+
+
+class StalePolicy(str, enum.Enum):
+    """What happens to a group that can no longer be consumed within max_staleness."""
+    drop = "drop"
+    regenerate = "regenerate"           # its samples restart from the prompt
 
 
 @dataclass
@@ -14,8 +27,8 @@ class RolloutConfig:
     max_inflight: int = 64              # requests running on the servers at once
     oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
     max_staleness: int = 1              # how many versions behind the trainer any token may be
-    stale_policy: str = "drop"          # drop | regenerate a group that breaks the bound
-    update_policy: str = "abort_furthest"   # what a new weight version does to requests in flight
+    stale_policy: StalePolicy = StalePolicy.drop
+    update_policy: UpdatePolicy = UpdatePolicy.abort_furthest
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
                                         # done, when the next two batches are ready (else none)
     max_new_tokens: int = 256
@@ -36,15 +49,18 @@ class RolloutConfig:
     seed: int = 0
 
     def validate(self) -> "RolloutConfig":
+        for name, kind in (("update_policy", UpdatePolicy), ("stale_policy", StalePolicy)):
+            try:
+                setattr(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"rollout.{name}={getattr(self, name)!r}: use one of "
+                                 f"{[p.value for p in kind]}") from None
         checks = [
             (self.group_size >= 1, f"rollout.group_size={self.group_size}: must be >= 1 (GRPO needs >= 2)"),
             (self.batch_size >= 1, f"rollout.batch_size={self.batch_size}: must be >= 1"),
             (self.max_inflight >= 1, f"rollout.max_inflight={self.max_inflight}: must be >= 1"),
             (self.oversample >= 1.0, f"rollout.oversample={self.oversample}: must be >= 1.0 (1.0 = no oversampling)"),
             (self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness}: must be >= 0"),
-            (self.stale_policy in STALE_POLICIES, f"rollout.stale_policy={self.stale_policy!r}: use one of {STALE_POLICIES}"),
-            (self.update_policy in UPDATE_POLICIES,
-             f"rollout.update_policy={self.update_policy!r}: use one of {UPDATE_POLICIES}"),
             (self.filter_patience >= 0, f"rollout.filter_patience={self.filter_patience}: must be >= 0"),
             (0.0 <= self.abort_fraction <= 1.0, f"rollout.abort_fraction={self.abort_fraction}: must be in [0, 1]"),
             (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1"),

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rollout.types import Group
+from rollout.types import DropReason, Group
 
-GroupFilter = Callable[[Group], "str | None"]
+GroupFilter = Callable[[Group], "DropReason | str | None"]
 
 
-def all_equal(group: Group) -> str | None:
+def all_equal(group: Group) -> DropReason | None:
     """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage everywhere."""
     rewards = group.rewards
-    return "all_equal_rewards" if max(rewards) - min(rewards) < 1e-9 else None
+    return DropReason.ALL_EQUAL if max(rewards) - min(rewards) < 1e-9 else None
 
 
-def keep_all(group: Group) -> str | None:
+def keep_all(group: Group) -> None:
     return None
 
 

@@ -15,16 +15,22 @@ class SampleStatus(str, enum.Enum):
     PARTIAL = "partial"        # aborted mid-response; keeps its tokens and resumes later
     COMPLETED = "completed"    # the model stopped (EOS / stop string)
     TRUNCATED = "truncated"    # hit max_new_tokens or the context
-    ABORTED = "aborted"        # given up (stale, or the run stopped); not trained on
     FAILED = "failed"          # an error (reward function raised, server refused): see `error`
 
     @property
     def finished(self) -> bool:
-        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.ABORTED, SampleStatus.FAILED)
+        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
 
     @property
     def trainable(self) -> bool:
         return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+class DropReason(str, enum.Enum):
+    """Why the manager dropped a group (a user's filter may give its own reason, as a string)."""
+    STALE = "stale"                          # past max_staleness (regenerated instead, by config)
+    FAILED = "failed"                        # requests or reward failed, retries used up
+    ALL_EQUAL = "all_equal_rewards"          # the all_equal filter: no advantage anywhere
 
 
 @dataclass(eq=False)
@@ -125,7 +131,7 @@ class Batch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor           # 1 on response tokens the model generated
-    old_logprobs: torch.Tensor        # behaviour logprob of each token given what precedes it (0 elsewhere)
+    behaviour_logprobs: torch.Tensor  # the server's logprob of each token given what precedes it (0 elsewhere)
     versions: torch.Tensor            # weight version per token (-1 on prompt and environment tokens)
     rewards: torch.Tensor             # [batch]
     group_index: torch.Tensor         # [batch]: which group a row belongs to

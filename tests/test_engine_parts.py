@@ -108,6 +108,7 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
     one pass over all rows gives: same uniforms, whatever the cut (with a newcomer's prefill)."""
     from transformers import AutoModelForCausalLM
 
+    from inference_server.cpu_split import SplitStepRunner
     from inference_server.model_runner import DecoderRunner
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -117,8 +118,8 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
     def run(split: bool, share: float = 0.5):
         runner = DecoderRunner(model, num_slots=32, context_length=256)
         if split:
-            runner.enable_split(threads=1)
-            runner._share = share
+            runner = SplitStepRunner(runner, threads=1)
+            runner.share = share
         seqs = []
         for slot, x in enumerate(ids):
             s = Sequence(str(slot), x, SamplingParams(temperature=0.8 if slot % 3 else 0.0))

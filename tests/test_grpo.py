@@ -64,15 +64,15 @@ def clip_case():
     """
     ratios = torch.tensor([[1.5, 50.0], [1.5, 50.0], [0.5, 0.01], [0.5, 0.01]], dtype=torch.float64)
     logprobs = ratios.log().requires_grad_()
-    old_logprobs = torch.zeros_like(ratios)
+    proximal_logprobs = torch.zeros_like(ratios)
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
     loss_mask = torch.tensor([[1, 0], [1, 0], [1, 0], [1, 0]])
-    return logprobs, old_logprobs, advantages, loss_mask
+    return logprobs, proximal_logprobs, advantages, loss_mask
 
 
 def test_policy_loss_clips_each_side_and_ignores_masked_tokens():
-    logprobs, old_logprobs, advantages, loss_mask = clip_case()
-    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low=0.2, clip_high=0.28)
+    logprobs, proximal_logprobs, advantages, loss_mask = clip_case()
+    loss, metrics = policy_loss(logprobs, proximal_logprobs, advantages, loss_mask, clip_low=0.2, clip_high=0.28)
 
     close(loss, (-1.28 + 1.5 - 0.5 + 0.8) / 4)  # 0.13
     close(metrics["clip_fraction_high"], 0.25)
@@ -87,9 +87,9 @@ def test_policy_loss_clips_each_side_and_ignores_masked_tokens():
 
 
 def test_policy_loss_accepts_per_token_advantages():
-    logprobs, old_logprobs, advantages, loss_mask = clip_case()
+    logprobs, proximal_logprobs, advantages, loss_mask = clip_case()
     per_token = advantages.unsqueeze(-1).expand(-1, 2)
-    loss, _ = policy_loss(logprobs, old_logprobs, per_token, loss_mask)
+    loss, _ = policy_loss(logprobs, proximal_logprobs, per_token, loss_mask)
     close(loss, 0.13)
 
 
@@ -120,16 +120,16 @@ def test_unknown_agg_raises_naming_the_value():
         policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2), agg="token-sum")
 
 
-def test_truncated_importance_weight_is_capped_detached_and_clip_stays_on_old_policy():
-    # Ratio current/old = 1, A = 1. Weights old/behaviour: exp(0 - log 0.5) = 2 -> capped to 1.5,
+def test_truncated_importance_weight_is_capped_detached_and_clip_stays_on_the_proximal_policy():
+    # Ratio current/proximal = 1, A = 1. Weights proximal/behaviour: exp(0 - log 0.5) = 2 -> capped to 1.5,
     # and exp(0 - log 4) = 0.25. The current/behaviour ratios (2 and 0.25) lie outside the clip
-    # range, yet nothing is clipped: the clip is centred on old_logprobs.
+    # range, yet nothing is clipped: the clip is centred on the proximal policy.
     logprobs = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
-    old_logprobs = torch.zeros(1, 2, dtype=torch.float64)
+    proximal_logprobs = torch.zeros(1, 2, dtype=torch.float64)
     behaviour_logprobs = torch.tensor([[math.log(0.5), math.log(4.0)]], dtype=torch.float64)
     loss, metrics = policy_loss(
         logprobs,
-        old_logprobs,
+        proximal_logprobs,
         torch.ones(1, dtype=torch.float64),
         torch.ones(1, 2),
         behaviour_logprobs=behaviour_logprobs,

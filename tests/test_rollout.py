@@ -71,7 +71,7 @@ def test_groups_of_n_make_a_padded_batch(servers, tokenizer):
     batch = Batch.from_groups(groups, tokenizer.pad_token_id)
     assert batch.input_ids.shape[0] == 8 and int(batch.loss_mask.sum()) == 8 * 16
     assert batch.group_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert (batch.old_logprobs[batch.loss_mask == 0] == 0).all() and (batch.old_logprobs[batch.loss_mask == 1] < 0).all()
+    assert (batch.behaviour_logprobs[batch.loss_mask == 0] == 0).all() and (batch.behaviour_logprobs[batch.loss_mask == 1] < 0).all()
     assert metrics["samples_per_s"] > 0 and metrics["max_staleness"] == 0
 
 
@@ -270,10 +270,10 @@ def test_a_config_the_server_refuses_stops_the_run_with_its_reason(servers, toke
 
 
 def test_request_slots_go_to_the_oldest_sample_first():
-    from rollout.manager import _Slots
+    from rollout.slots import RequestSlots
 
     async def main():
-        slots, order = _Slots(1), []
+        slots, order = RequestSlots(1), []
         await slots.acquire((0,))
 
         async def want(key):

@@ -151,18 +151,23 @@ def test_abort_returns_partial_tokens_and_logprobs(server):
 
 def test_a_client_that_goes_away_has_its_request_aborted(server):
     """A rollout client that gave up on a request (it moved it elsewhere) must not leave the server
-    generating it to the end."""
-    def aborted():
-        return httpx.get(f"{server.url}/get_server_info").json()["stats"]["aborted_requests"]
-    before = aborted()
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/generate", timeout=0.5, json={
-            "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}})
-    deadline = time.monotonic() + 30
-    while aborted() == before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    info = httpx.get(f"{server.url}/get_server_info").json()
-    assert info["stats"]["aborted_requests"] == before + 1 and info["num_running"] == 0
+    generating it to the end. Generation is held while the client goes, so the request cannot
+    finish first."""
+    def info():
+        return httpx.get(f"{server.url}/get_server_info").json()
+    before = info()["stats"]["aborted_requests"]
+    httpx.post(f"{server.url}/pause_generation", json={"mode": "in_place"})
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/generate", timeout=0.5, json={
+                "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}})
+        deadline = time.monotonic() + 30
+        while info()["stats"]["aborted_requests"] == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        httpx.post(f"{server.url}/continue_generation")
+    after = info()
+    assert after["stats"]["aborted_requests"] == before + 1 and after["num_running"] + after["num_waiting"] == 0
 
 
 def test_pause_abort_mode(server):

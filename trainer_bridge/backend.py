@@ -3,7 +3,7 @@
     backend = RolloutBackend(cfg)          # servers, rollout manager, weight sync (started lazily)
     backend.start(model)                   # initial weights
     for step in range(steps):
-        batch = backend.next_batch()       # tensors: input_ids, attention_mask, loss_mask, old_logprobs, advantages, versions
+        batch = backend.next_batch()       # a TrainBatch: input_ids, attention_mask, loss_mask, behaviour_logprobs, advantages, ...
         ...                                # the trainer's own forward, loss, optimizer
         backend.push_weights(model, version=step + 1)
     backend.close()
@@ -15,10 +15,10 @@ through the context manager, and when the process dies, by the servers' parent-d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,19 @@ from trainer_bridge.config import ServerConfig, TaskConfig, WeightSyncConfig
 from trainer_bridge.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainBatch(Batch):
+    """What `next_batch` hands a trainer: the padded groups (Batch; per-token tensors [batch, seq]),
+    their GRPO advantages [batch] and the rollout's metrics for this batch."""
+    advantages: torch.Tensor = None
+    metrics: dict = field(default_factory=dict)
+
+    def rows(self, rows: slice) -> "TrainBatch":
+        """A micro-batch: the same fields for rows `rows` (metrics shared)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+                                            if f.name != "metrics"})
 
 
 @dataclass
@@ -103,15 +116,13 @@ class RolloutBackend:
             self.manager.consumed_groups = 0
         self._call(self.manager.start())
 
-    def next_batch(self, timeout_s: float | None = None) -> dict:
+    def next_batch(self, timeout_s: float | None = None) -> TrainBatch:
         """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics."""
         groups, metrics = self._call(self.manager.next_batch(), timeout_s)
         batch = Batch.from_groups(groups, self.tokenizer.pad_token_id)
         advantages = grpo.group_advantages(batch.rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
-        return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "loss_mask": batch.loss_mask,
-                "old_logprobs": batch.old_logprobs, "advantages": advantages, "versions": batch.versions,
-                "rewards": batch.rewards, "group_index": batch.group_index, "samples": batch.samples,
-                "metrics": metrics}
+        return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
+                          advantages=advantages, metrics=metrics)
 
     def push_weights(self, model, version: int):
         """Stream `model`'s weights into every server as `version` (two-phase: all flip or none),
@@ -127,9 +138,7 @@ class RolloutBackend:
             log.warning("%s", e)
             stats = e.stats
         self.version = version
-        t = time.perf_counter()
         self._call(self.manager.on_weights_updated(version))
-        self.last_update_policy_s = time.perf_counter() - t
         return stats
 
     def close(self) -> None:

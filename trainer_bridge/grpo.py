@@ -9,14 +9,15 @@ Conventions shared by every function here:
 Off-policy data. Three policies meet in an asynchronous step:
 - behaviour: the inference server's weights that sampled the tokens (`behaviour_logprobs`, returned
   by the server);
-- proximal ("old"): the trainer's weights before this step, recomputed by the trainer
-  (`old_logprobs`); the PPO clip is centred here;
+- proximal: the trainer's weights before this step, recomputed by the trainer
+  (`proximal_logprobs`, PPO's "old" policy); the PPO clip is centred here;
 - current: the weights being optimised (`logprobs`, with grad).
-`policy_loss` clips exp(logprobs - old_logprobs) and multiplies each token's loss by the detached
-weight min(exp(old_logprobs - behaviour_logprobs), tis_cap). That one formula is both truncated
-importance sampling (verl/slime naming: `old_log_prob`, `rollout_log_probs`) and AReaL's decoupled
-PPO objective (AReaL naming: `prox_logp` goes in `old_logprobs`, AReaL's `old_logp`, the behaviour
-policy, goes in `behaviour_logprobs`). AReaL drops tokens whose weight exceeds the cap where this
+`policy_loss` clips exp(logprobs - proximal_logprobs) and multiplies each token's loss by the
+detached weight min(exp(proximal_logprobs - behaviour_logprobs), tis_cap). That one formula is both
+truncated importance sampling (verl/slime naming: `old_log_prob` is the proximal, `rollout_log_probs`
+the behaviour) and AReaL's decoupled PPO objective (AReaL naming: `prox_logp` is the proximal,
+`old_logp` the behaviour). The same two names are used everywhere in Riptide, the batches an attached
+trainer takes included (`batch.behaviour_logprobs`). AReaL drops tokens whose weight exceeds the cap where this
 truncates them to the cap.
 """
 
@@ -100,7 +101,7 @@ def aggregate(values: Tensor, mask: Tensor, agg: str) -> Tensor:
 
 def policy_loss(
     logprobs: Tensor,  # [batch, seq] current policy, with grad
-    old_logprobs: Tensor,  # [batch, seq] proximal policy: trainer weights before this step
+    proximal_logprobs: Tensor,  # [batch, seq] proximal policy: trainer weights before this step
     advantages: Tensor,  # [batch] per sequence, or [batch, seq] per token
     loss_mask: Tensor,  # [batch, seq] 1 = token counts
     *,
@@ -112,15 +113,15 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped objective per token with separate low/high clip (DAPO clip-higher).
 
-    loss_t = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A) * w_t, r_t = exp(lp - old),
-    w_t = min(exp(old - behaviour), tis_cap) detached when `behaviour_logprobs` is given, else 1.
+    loss_t = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A) * w_t, r_t = exp(lp - proximal),
+    w_t = min(exp(proximal - behaviour), tis_cap) detached when `behaviour_logprobs` is given, else 1.
     Pass `behaviour_logprobs` and `tis_cap` together (tis_cap=float("inf") for untruncated
     importance sampling). See the module docstring for how this covers truncated importance
     sampling and AReaL's decoupled PPO.
 
     Metrics are token means over masked tokens, whatever `agg` is. A clip fraction counts tokens
     where that clip binds (zeroes the gradient): r < 1 - clip_low with A < 0, r > 1 + clip_high
-    with A > 0. `approx_kl` is k3 of KL(old || current): mean of (r - 1) - log r.
+    with A > 0. `approx_kl` is k3 of KL(proximal || current): mean of (r - 1) - log r.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
@@ -134,19 +135,19 @@ def policy_loss(
             "importance sampling), or neither for on-policy data"
         )
     check_same_shape(
-        logprobs, old_logprobs=old_logprobs, loss_mask=loss_mask, behaviour_logprobs=behaviour_logprobs
+        logprobs, proximal_logprobs=proximal_logprobs, loss_mask=loss_mask, behaviour_logprobs=behaviour_logprobs
     )
     advantages = per_token_advantages(advantages, logprobs)  # [batch, seq] or [batch, 1]
     mask = loss_mask.to(logprobs.dtype)  # [batch, seq]
 
-    log_ratio = logprobs - old_logprobs  # [batch, seq]
+    log_ratio = logprobs - proximal_logprobs  # [batch, seq]
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [batch, seq]
 
     metrics: dict[str, Tensor] = {}
     if behaviour_logprobs is not None:
-        weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()  # [batch, seq]
+        weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()  # [batch, seq]
         per_token = per_token * weight
         metrics["tis_weight_mean"] = token_mean(weight, mask)
 

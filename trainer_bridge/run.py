@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from trainer_bridge.backend import BackendConfig, RolloutBackend
+from rollout.config import UpdatePolicy
+from trainer_bridge.backend import BackendConfig, RolloutBackend, TrainBatch
 from trainer_bridge.config import JobConfig
 from trainer_bridge.monitor import Monitor
 from trainer_bridge.trainer import GRPOTrainer
@@ -33,14 +34,14 @@ def ensure_model(job: JobConfig) -> str:
 def sync_mode(job: JobConfig) -> JobConfig:
     """Synchronous rollout as the manager's special case: no oversampling, no staleness, so the next
     batch starts only after the new weights land and nothing generates while the trainer trains."""
-    rollout = dataclasses.replace(job.rollout, oversample=1.0, max_staleness=0, update_policy="continue")
+    rollout = dataclasses.replace(job.rollout, oversample=1.0, max_staleness=0, update_policy=UpdatePolicy["continue"])
     return dataclasses.replace(job, rollout=rollout)
 
 
-def step_metrics(batch: dict, train: dict, sync, seconds: dict) -> dict:
-    r = batch["metrics"]
-    rewards = batch["rewards"]
-    lengths = [len(s.response_ids) for s in batch["samples"]]
+def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
+    r = batch.metrics
+    rewards = batch.rewards
+    lengths = [len(s.response_ids) for s in batch.samples]
     out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
            "reward/accuracy": float((rewards >= 0.999).float().mean()),
            "response/length_mean": sum(lengths) / len(lengths),
@@ -91,7 +92,7 @@ def run(job: JobConfig) -> dict:
             sync = backend.push_weights(model, version=step + 1)
             t3 = time.perf_counter()
             metrics = step_metrics(batch, train, sync, {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
-            monitor.log(step, metrics, batch["samples"])
+            monitor.log(step, metrics, batch.samples)
             rewards.append(metrics["reward/mean"])
             if job.trainer.checkpoint_every and (step + 1) % job.trainer.checkpoint_every == 0:
                 trainer.save(ckpt_dir, step + 1, backend.state_dict(), backend.tokenizer)

@@ -16,6 +16,7 @@ import torch
 
 from inference_server.device import choose_device
 from trainer_bridge import grpo
+from trainer_bridge.backend import TrainBatch
 from trainer_bridge.config import TrainerConfig
 
 
@@ -51,18 +52,17 @@ class GRPOTrainer:
         enabled = self.cfg.dtype == "bfloat16" and self.device.type != "cpu"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def train_step(self, batch: dict) -> dict:
+    def train_step(self, batch: TrainBatch) -> dict:
         """One optimizer step over the whole batch; returns the step's training metrics."""
         t0 = time.perf_counter()
         self.model.train()
-        n = batch["input_ids"].shape[0]
-        tokens = float(batch["loss_mask"].sum())
+        n = batch.input_ids.shape[0]
+        tokens = float(batch.loss_mask.sum())
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         for start in range(0, n, self.cfg.micro_batch_size):
             rows = slice(start, min(n, start + self.cfg.micro_batch_size))
-            loss, metrics, weight = self._micro_batch({k: v[rows] for k, v in batch.items() if torch.is_tensor(v)},
-                                                      tokens)
+            loss, metrics, weight = self._micro_batch(batch.rows(rows), tokens)
             loss.backward()
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * weight
@@ -75,14 +75,14 @@ class GRPOTrainer:
         self.step_count += 1
         seconds = time.perf_counter() - t0
         return {**sums, "grad_norm": float(grad_norm), "lr": lr, "train_seconds": seconds,
-                "trainer_tokens_per_s": float(batch["attention_mask"].sum()) / seconds}
+                "trainer_tokens_per_s": float(batch.attention_mask.sum()) / seconds}
 
-    def _micro_batch(self, mb: dict, batch_tokens: float):
+    def _micro_batch(self, mb: TrainBatch, batch_tokens: float):
         """Loss of one micro-batch, scaled so that gradients add up to the whole batch's loss."""
-        ids, attention = mb["input_ids"].to(self.device), mb["attention_mask"].to(self.device)
-        mask = mb["loss_mask"][:, 1:].to(self.device)                  # [mb, seq-1]: token t+1 given <= t
-        behaviour = mb["old_logprobs"][:, 1:].to(self.device)
-        advantages = mb["advantages"].to(self.device)                   # [mb]
+        ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        mask = mb.loss_mask[:, 1:].to(self.device)                     # [mb, seq-1]: token t+1 given <= t
+        behaviour = mb.behaviour_logprobs[:, 1:].to(self.device)
+        advantages = mb.advantages.to(self.device)                      # [mb]
         with self._autocast():
             logits = self.model(input_ids=ids, attention_mask=attention).logits
         logprobs = grpo.sequence_logprobs(logits, ids, self.temperature)   # [mb, seq-1]

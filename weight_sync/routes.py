@@ -25,7 +25,6 @@ def mount(app: FastAPI, receiver: Receiver, api_key: str | None = None, weights_
           self_url: str | None = None) -> None:
     """`weights_from_peer`: this server starts without weights and asks that live peer to push
     them to `self_url`; it serves only once they landed (the app answers 503 until then)."""
-    engine = receiver.engine
     app.state.admin_prefixes.append(PREFIX)
     app.state.cold_prefixes.append(PREFIX)          # reachable before the weights are in
     app.state.on_shutdown.append(receiver.close)
@@ -39,6 +38,12 @@ def mount(app: FastAPI, receiver: Receiver, api_key: str | None = None, weights_
     async def _refused(_, exc: ReceiverError):
         return JSONResponse({"error": str(exc), "kind": exc.kind.value}, status_code=409)
 
+    _protocol_routes(app, receiver)
+    _serving_routes(app, receiver, api_key)
+
+
+def _protocol_routes(app: FastAPI, receiver: Receiver) -> None:
+    """One update, as the sender drives it (see protocol.py)."""
     @app.post(PREFIX + "open")
     async def ws_open(req: OpenRequest):
         return (await asyncio.to_thread(receiver.open, req)).model_dump()
@@ -65,6 +70,11 @@ def mount(app: FastAPI, receiver: Receiver, api_key: str | None = None, weights_
     @app.get(PREFIX + "status")
     async def ws_status():
         return receiver.status()
+
+
+def _serving_routes(app: FastAPI, receiver: Receiver, api_key: str | None) -> None:
+    """What the live weights are, and pushing them to a peer."""
+    engine = receiver.engine
 
     @app.get(PREFIX + "digest")
     async def ws_digest():
