@@ -50,3 +50,17 @@ def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"--dtype {name}: expected auto or one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}     # what Ray calls each accelerator
+
+
+def server_bundle(device: str, cpus: float, tensor_parallel: int = 1) -> dict[str, float]:
+    """Ray resources of one server replica: `cpus` CPUs, plus its accelerators (GPU or NPU, one per
+    tensor-parallel rank) when it runs on one. `device` as the server takes it; `auto` means what
+    this machine has (cluster nodes are assumed alike)."""
+    kind = (choose_device("auto").type if device == "auto" else device.split(":")[0])
+    bundle = {"CPU": float(cpus)}
+    if kind in RAY_RESOURCE:
+        bundle[RAY_RESOURCE[kind]] = float(tensor_parallel)
+    return bundle

@@ -99,14 +99,15 @@ class EnginePort:
 
 
 def watch_parent(pid: int) -> None:
-    """Stop this server (SIGTERM: a clean shutdown) once the process that launched it is gone."""
+    """Die at once when the process that launched this server is gone (its node lost, or killed):
+    a server nobody manages must not go on serving, not even the requests it holds."""
     def run():
         while True:
-            time.sleep(1.0)
+            time.sleep(0.5)
             try:
                 os.kill(pid, 0)
             except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGKILL)
                 return
     threading.Thread(target=run, name="parent-watch", daemon=True).start()
 

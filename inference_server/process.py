@@ -90,6 +90,13 @@ class ServerProcess:
             self._log.close()
             self._log = None
 
+    def kill(self) -> None:
+        """Kill it at once, frozen or not: a server taken out of a fleet must never serve again."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.stop()
+
     def __enter__(self) -> "ServerProcess":
         return self.start()
 

@@ -112,7 +112,7 @@ class RolloutManager:
 
     def _may_start(self) -> bool:
         in_progress = len(self.running) + len(self.ready)
-        return (self.fatal is None and len(self.router.down) < len(self.router.clients)
+        return (self.fatal is None and self.router.any_up()
                 and in_progress < self.cfg.groups_in_progress
                 and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress))
 

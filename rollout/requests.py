@@ -86,8 +86,9 @@ class Requests:
         return (self.trainer_version() if v is None else v,)
 
     async def _failed(self, sample: Sample, client: ServerClient, error: ServerError) -> None:
-        # a dropped connection to a live server is no reason to shun it
-        if client.url not in self.router.down and not await client.healthy():
+        # a dropped connection to a live server is no reason to shun it (a server that left the fleet
+        # is asked nothing)
+        if client in self.router.clients and client.url not in self.router.down and not await client.healthy():
             self.router.mark_down(client, str(error))
         sample.num_retries += 1
         self.metrics.retries += 1

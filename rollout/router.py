@@ -35,9 +35,10 @@ class Router:
         self.recheck_s, self.progress_timeout_s, self.probe_every_s = recheck_s, progress_timeout_s, probe_every_s
         self._calls: dict[str, set[asyncio.Task]] = {c.url: set() for c in clients}
         self._evicted: set[asyncio.Task] = set()
+        self._evicted_why: dict[str, str] = {}
 
     def pick(self, sticky: ServerClient | None = None) -> ServerClient:
-        if sticky is not None and sticky.url not in self.down:
+        if sticky is not None and sticky in self.clients and sticky.url not in self.down:
             return sticky
         up = [c for c in self.clients if c.url not in self.down]
         if not up:
@@ -48,13 +49,13 @@ class Router:
         """Run one request on `client`, counted in its in-flight load. If the server is marked down
         for lack of progress meanwhile, the request is cancelled and raises a retryable ServerError."""
         task = asyncio.ensure_future(request)
-        self._calls[client.url].add(task)
-        self.inflight[client.url] += 1
+        self._calls.setdefault(client.url, set()).add(task)
+        self.inflight[client.url] = self.inflight.get(client.url, 0) + 1
         try:
             return await task
         except asyncio.CancelledError:
             if task in self._evicted:
-                raise ServerError(client.url, f"no progress for {self.progress_timeout_s}s: request moved") from None
+                raise ServerError(client.url, self._evicted_why.get(client.url, "request moved")) from None
             raise
         finally:
             self.inflight[client.url] -= 1
@@ -70,7 +71,7 @@ class Router:
         """Until cancelled: probe busy servers for progress, bring back the ones that answer again."""
         while True:
             await asyncio.sleep(self.probe_every_s)
-            busy = [c for c in self.clients if c.url not in self.down and self._calls[c.url]]
+            busy = [c for c in self.clients if c.url not in self.down and self._calls.get(c.url)]
             await asyncio.gather(*(self._probe(c) for c in busy))
             if self.down:
                 await self.recheck()
@@ -80,9 +81,35 @@ class Router:
             return
         self.mark_down(client, f"no progress for {self.progress_timeout_s}s with "
                                f"{len(self._calls[client.url])} requests in flight")
-        for task in self._calls[client.url]:
+        self._cancel_calls(client.url, f"no progress for {self.progress_timeout_s}s: request moved")
+
+    def _cancel_calls(self, url: str, why: str) -> None:
+        self._evicted_why[url] = why
+        for task in self._calls.get(url, ()):
             self._evicted.add(task)
             task.cancel()
+
+    # ---- membership --------------------------------------------------------------------------------
+    def add(self, client: ServerClient) -> None:
+        """A server that joined the fleet: it takes requests from now on."""
+        if any(c.url == client.url for c in self.clients):
+            return
+        self.clients.append(client)
+        self.inflight.setdefault(client.url, 0)
+        self.down.pop(client.url, None)
+
+    async def remove(self, url: str) -> None:
+        """A server that left the fleet: no new requests; the ones in flight there are cancelled and
+        raise a retryable ServerError, so their samples resume on the others."""
+        gone = [c for c in self.clients if c.url == url.rstrip("/")]
+        if not gone:
+            return
+        self.clients = [c for c in self.clients if c not in gone]
+        self.down.pop(gone[0].url, None)
+        self._cancel_calls(gone[0].url, "the server left the fleet: request moved")
+        await asyncio.sleep(0)                   # let the cancellations reach their requests
+        for c in gone:
+            await c.close()
 
     async def recheck(self) -> None:
         """Bring back servers that make progress again."""
@@ -94,9 +121,12 @@ class Router:
             else:
                 self.down[client.url] = time.monotonic()
 
+    def any_up(self) -> bool:
+        return any(c.url not in self.down for c in self.clients)
+
     async def wait_for_server(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while len(self.down) == len(self.clients):
+        while not self.any_up():
             if time.monotonic() > deadline:
                 raise NoServerAvailable(f"no server came back within {timeout_s}s: " + ", ".join(self.down))
             await asyncio.sleep(self.recheck_s / 2)

@@ -3,6 +3,9 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray reads this when it is imported: with it, every node of a test cluster stays on 127.0.0.1 (the
+# nodes are started with node_ip_address="127.0.0.1"), never on the host's interface address.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture(scope="session")

@@ -219,7 +219,7 @@ def test_frozen_receiver_times_out_with_its_name(fresh_server, new_model):
         assert time.monotonic() - t0 < 1.5 * hop
         assert version(live.url) == 0, "nobody flips unless the caller allows a partial update"
         sync.close()
-        partial = sync_to(live.url, frozen.url, timeout_s=3, allow_partial=True)
+        partial = sync_to(live.url, frozen.url, timeout_s=3, min_fraction=0.5)
         stats = partial.push(new_model, version=2)
         partial.close()
         assert frozen.url in stats.dropped and version(live.url) == 2
@@ -538,3 +538,32 @@ def test_receiver_refuses_every_illegal_transition(tiny_model):
     finally:
         r.close()
         engine.shutdown()
+
+
+def test_a_relay_push_gives_every_server_what_a_star_push_does(fresh_server, new_model, hf_model):
+    """Three servers: a star push (the trainer writes every bucket to each) and relay pushes (chain,
+    and a tree of fan-out 2: the trainer writes each bucket once, servers pass it on) leave the
+    same weights everywhere; the trainer's egress is ~3x the model for the star, ~1x for a relay."""
+    from weight_sync import live_digest as digest_of, named_weights
+    servers = [fresh_server() for _ in range(3)]
+    urls = [s.url for s in servers]
+    model_bytes = sum(t.nbytes for t in named_weights(new_model).values())
+    star = sync_to(*urls, topology="star")
+    try:
+        stats = star.push(new_model, version=1)
+    finally:
+        star.close()
+    assert stats.egress_bytes == 3 * model_bytes
+    after_star = [digest_of(named_weights(new_model))] * 3
+    assert [live_digest(u) for u in urls] == after_star
+    for v, (topology, model) in enumerate([("chain", hf_model), ("tree", new_model)], start=2):
+        relay = sync_to(*urls, topology=topology, fan_out=2)
+        try:
+            stats = relay.push(model, version=v)
+        finally:
+            relay.close()
+        assert stats.egress_bytes == model_bytes, topology
+        assert [live_digest(u) for u in urls] == [digest_of(named_weights(model))] * 3, topology
+        assert all(version(u) == v for u in urls)
+    assert [live_digest(u) for u in urls] == after_star
+

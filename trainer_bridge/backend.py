@@ -8,34 +8,38 @@
         backend.push_weights(model, version=step + 1)
     backend.close()
 
-The rollout manager runs on its own event loop in a background thread, so generation goes on while
-the trainer computes. Every server this object starts, `close()` stops (also on Ctrl-C or SIGTERM
-through the context manager, and when the process dies, by the servers' parent-death signal).
+Process layout: the servers are a fleet (fleet.py: subprocesses under `cluster=local`, Ray actors in
+placement groups of their own under `cluster=ray`); the rollout manager runs in a process of its own
+(a subprocess, or a Ray actor), off the trainer's GIL, and this object talks to it by calls that
+carry plain data; the weight sender lives here, next to the model it reads.
+
+Fleet membership is kept here. A server that a push drops (dead, frozen, partitioned: it missed the
+hop timeout) is evicted: it leaves the router (its requests in flight resume on the others from
+their partial tokens) and the weight sync, and it is killed, so it never serves again on old
+weights. With `cluster.replace_evicted`, a replacement starts, cold-starts from a live peer, and
+joins the pushes at once and the router once it serves the current version. `add_servers` and
+`remove_servers` do the same by hand. Every server this object starts, `close()` stops (also on
+Ctrl-C or SIGTERM through the context manager, and when the process dies, by the servers' parent-death
+signal).
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import httpx
 import torch
 
-from inference_server.process import ServerProcess, cpu_share_args
 from rollout.agent import RolloutFn, single_turn
-from rollout.client import ServerClient
 from rollout.config import RolloutConfig
-from rollout.data import PromptSource
-from rollout.filters import get_filter
-from rollout.manager import RolloutManager
-from rollout.rewards import get_reward
-from rollout.router import Router
+from rollout.service import LocalRollout, RolloutSpec, ThreadRollout
 from rollout.types import Batch
 from trainer_bridge import grpo
-from trainer_bridge.config import ServerConfig, TaskConfig, WeightSyncConfig
+from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig
+from trainer_bridge.fleet import LocalFleet
 from trainer_bridge.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
@@ -61,6 +65,7 @@ class BackendConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     normalize_std: bool = True
     seed: int = 0
     log_dir: str = ""
@@ -74,125 +79,210 @@ def task_items(task: TaskConfig, seed: int) -> list[dict]:
     raise ValueError(f"task.name={task.name!r}: use one of {DIGIT_TASKS} or 'dataset'")
 
 
+@dataclass
+class FleetStats:
+    servers: int = 0
+    evictions: int = 0
+    replacements: int = 0
+    last_replace_s: float = 0.0          # from an eviction to its replacement taking requests
+
+
 class RolloutBackend:
     def __init__(self, cfg: BackendConfig, rollout_fn: RolloutFn = single_turn, items: list[dict] | None = None):
         from transformers import AutoTokenizer
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
-        self.data = PromptSource(items if items is not None else task_items(cfg.task, cfg.seed), seed=cfg.seed)
-        self.reward = get_reward(cfg.task.reward)
-        self.rollout_fn, self.group_filter = rollout_fn, get_filter(cfg.rollout.group_filter)
-        self.servers: list[ServerProcess] = []
-        self.manager: RolloutManager | None = None
+        self.items = items if items is not None else task_items(cfg.task, cfg.seed)
+        self.rollout_fn = rollout_fn
+        self.fleet = None
+        self.rollout = None                  # the manager's host: call(method, *args)
         self.sync = None
         self.version = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-loop", daemon=True)
-        self._thread.start()
+        self.servers: list[str] = []         # members: they get weight pushes and rollout requests
+        self.stats = FleetStats()
         self._state: dict | None = None
+        self._ready: list[tuple[str, float]] = []     # started replacements: (url, when its predecessor left)
+        self._catching_up: dict[str, float] = {}      # in the pushes, not yet in the router
+        self._lock = threading.Lock()
+        self._workers: list[threading.Thread] = []
 
     # ---- the four calls a trainer makes --------------------------------------------------------
     def start(self, model: torch.nn.Module | None = None, version: int = 0) -> None:
         """Start (or connect to) servers, weight sync and the manager. With `model`, its weights are
         pushed as `version` before the first rollout; without, the servers serve `model_path`."""
         from weight_sync.sender import WeightSync
+        self.fleet = self._make_fleet()
         first = version - 1 if model is not None else version
-        urls = list(self.cfg.server.urls) or self._launch(first)
-        self.sync = WeightSync(urls, bucket_bytes=self.cfg.weight_sync.bucket_mb << 20,
-                               num_slots=self.cfg.weight_sync.num_slots, timeout_s=self.cfg.weight_sync.timeout_s,
-                               allow_partial=self.cfg.weight_sync.allow_partial,
-                               api_key=self.cfg.server.api_key or None)
+        self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first)
+        ws = self.cfg.weight_sync
+        self.sync = WeightSync(self.servers, bucket_bytes=ws.bucket_mb << 20, num_slots=ws.num_slots,
+                               timeout_s=ws.timeout_s, min_fraction=ws.min_fraction,
+                               api_key=self.cfg.server.api_key or None, topology=ws.topology, fan_out=ws.fan_out,
+                               host=self.fleet.host, protocol=ws.protocol, device_name=ws.device_name)
         if model is not None:
-            self.sync.push(model, version)
+            self._push(model, version)
         self.version = version
-        router = Router([ServerClient(u, self.cfg.rollout.request_timeout_s, self.cfg.server.api_key or None,
-                                      max_connections=self.cfg.rollout.max_inflight) for u in urls])
-        self.manager = RolloutManager(self.cfg.rollout, router, self.data, self.tokenizer, self.reward,
-                                      self.rollout_fn, self.group_filter)
-        if self._state is not None:
-            self.manager.load_state_dict(self._state)
-        self.manager.trainer_version = version
-        if self._state is None:
-            self.manager.consumed_groups = 0
-        self._call(self.manager.start())
+        self.rollout = self._host(RolloutSpec(
+            self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
+            self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version))
+        self.rollout.call("start")
+        self.stats.servers = len(self.servers)
 
     def next_batch(self, timeout_s: float | None = None) -> TrainBatch:
         """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics."""
-        groups, metrics = self._call(self.manager.next_batch(), timeout_s)
+        self._admit()
+        groups, metrics = self.rollout.call("next_batch", timeout_s=timeout_s)
         batch = Batch.from_groups(groups, self.tokenizer.pad_token_id)
         advantages = grpo.group_advantages(batch.rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
-                          advantages=advantages, metrics=metrics)
+                          advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
 
     def push_weights(self, model, version: int):
-        """Stream `model`'s weights into every server as `version` (two-phase: all flip or none),
-        then let the manager apply its in-flight policy. Returns the push's PushStats.
-
-        A push whose commit some server did not confirm has still committed `version` (every server
-        had prepared it): the run goes on, and those servers serve their old version, with tokens
-        labelled so, until the commit reaches them (`stats.pending` names them)."""
-        from weight_sync.sender import CommitIncomplete
-        try:
-            stats = self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
-        except CommitIncomplete as e:
-            log.warning("%s", e)
-            stats = e.stats
+        """Stream `model`'s weights into every server as `version` (two-phase: every server that
+        stays in the push flips, or none), evict the servers it lost, then let the manager apply
+        its in-flight policy. Returns the push's PushStats."""
+        self._admit()
+        stats = self._push(model, version)
         self.version = version
-        self._call(self.manager.on_weights_updated(version))
+        for url in list(stats.dropped) + [u for u in stats.pending if u in stats.dropped or self._dead(u)]:
+            if url in self.servers:
+                self._evict(url, replace=self.cfg.cluster.replace_evicted)
+        self.rollout.call("on_weights_updated", version)
+        self._admit()
         return stats
 
     def close(self) -> None:
         try:
-            if self.manager is not None and not self.manager.stopping:
-                self._call(self.manager.stop(), timeout_s=120)
-                self._call(self.manager.router.close(), timeout_s=30)
+            if self.rollout is not None:
+                self.rollout.close()
+                self.rollout = None
         finally:
+            for t in self._workers:
+                t.join(timeout=self.cfg.server.start_timeout_s)
             if self.sync is not None:
                 self.sync.close()
                 self.sync = None
-            for s in self.servers:
-                s.stop()
+            if self.fleet is not None:
+                self.fleet.close()
             self.servers = []
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+
+    # ---- the fleet by hand -------------------------------------------------------------------------
+    def add_servers(self, k: int) -> list[str]:
+        """Start k servers; they cold-start from a live one and join the pushes and the router
+        (the router once they serve the current version). Returns their URLs."""
+        urls = self.fleet.launch(k, self.version, peer=self.servers[0] if self.servers else None)
+        with self._lock:
+            self._ready += [(u, time.monotonic()) for u in urls]
+        self._admit()
+        return urls
+
+    def remove_servers(self, urls: list[str]) -> None:
+        """Take servers out: they leave the router (their requests resume elsewhere) and the
+        pushes, then stop."""
+        for url in urls:
+            self._evict(url, replace=False)
+
+    def fleet_metrics(self) -> dict:
+        return {"fleet/servers": len(self.servers), "fleet/evictions": self.stats.evictions,
+                "fleet/replacements": self.stats.replacements, "fleet/last_replace_s": self.stats.last_replace_s}
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Pause the manager (in-flight samples become partial), read its state, resume."""
-        self._call(self.manager.stop())
-        state = self.manager.state_dict()
-        self._call(self.manager.start())
-        return state
+        return self.rollout.call("state")
 
     def load_state_dict(self, state: dict) -> None:
         """Before start(): the data position and the unconsumed (partial) groups to resume."""
         self._state = state
 
-    # ---- helpers ---------------------------------------------------------------------------------
-    def _launch(self, version: int) -> list[str]:
-        s = self.cfg.server
-        args = ["--max-running-requests", str(s.max_running_requests), "--context-length", str(s.context_length),
-                "--device", s.device, "--dtype", s.dtype, "--seed", str(self.cfg.seed),
-                "--weight-version", str(version), "--weight-sync-protocol", self.cfg.weight_sync.protocol]
-        if s.api_key:
-            args += ["--api-key", s.api_key]
-        args += cpu_share_args(s.num_servers)
-        log_dir = Path(self.cfg.log_dir or tempfile.mkdtemp(prefix="riptide-servers-"))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        for i in range(s.num_servers):
-            proc = ServerProcess(self.cfg.model_path, args=args, log_path=log_dir / f"server-{i}.log")
-            self.servers.append(proc)
+    # ---- membership ----------------------------------------------------------------------------------
+    def _push(self, model, version: int):
+        from weight_sync.sender import CommitIncomplete
         try:
-            for proc in self.servers:
-                proc.start(timeout=s.start_timeout_s)
-        except BaseException:
-            for proc in self.servers:
-                proc.stop()
-            raise
-        return [p.url for p in self.servers]
+            return self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
+        except CommitIncomplete as e:
+            # every server had prepared: the version stands; the ones that did not confirm learn it
+            log.warning("%s", e)
+            return e.stats
 
-    def _call(self, coro, timeout_s: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+    def _evict(self, url: str, replace: bool) -> None:
+        log.warning("evicting %s from the fleet%s", url, " (a replacement starts)" if replace else "")
+        self.servers = [u for u in self.servers if u != url]
+        self._catching_up.pop(url, None)
+        self.sync.remove_receiver(url)
+        self.rollout.call("remove_server", url)
+        self.fleet.stop(url)
+        self.stats.evictions += 1
+        self.stats.servers = len(self.servers)
+        if replace and self.servers:
+            since = time.monotonic()
+            worker = threading.Thread(target=self._replace, args=(since,), name="fleet-replace", daemon=True)
+            self._workers.append(worker)
+            worker.start()
+
+    def _replace(self, since: float) -> None:
+        try:
+            urls = self.fleet.launch(1, self.version, peer=self.servers[0])
+        except Exception as e:  # no room now (a node is gone): the fleet goes on smaller
+            log.warning("no replacement started: %s", e)
+            return
+        with self._lock:
+            self._ready += [(u, since) for u in urls]
+
+    def _admit(self) -> None:
+        """Between two calls of the trainer (never during a push): started servers join the pushes;
+        a server joins the router once it serves the version the trainer pushed last."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for url, since in ready:
+            self.sync.add_receiver(url)
+            self._catching_up[url] = since
+        for url, since in list(self._catching_up.items()):
+            if self._version_of(url) == self.version:
+                del self._catching_up[url]
+                self.rollout.call("add_server", url)
+                self.servers.append(url)
+                self.stats.replacements += 1
+                self.stats.last_replace_s = time.monotonic() - since
+                self.stats.servers = len(self.servers)
+                log.info("%s joined the fleet at version %d", url, self.version)
+
+    def _version_of(self, url: str) -> int | None:
+        try:
+            r = httpx.get(f"{url}/get_weight_version", timeout=5, headers=self._auth())
+            return int(r.json()["weight_version"]) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
+
+    def _dead(self, url: str) -> bool:
+        return self._version_of(url) is None
+
+    def _auth(self) -> dict:
+        return {"Authorization": f"Bearer {self.cfg.server.api_key}"} if self.cfg.server.api_key else {}
+
+    def _make_fleet(self):
+        c = self.cfg
+        if c.cluster.kind == "ray":
+            from trainer_bridge.ray_fleet import RayFleet
+            return RayFleet(c.model_path, c.server, c.weight_sync, c.cluster, c.seed)
+        return LocalFleet(c.model_path, c.server, c.weight_sync, c.seed, c.log_dir)
+
+    def _host(self, spec: RolloutSpec):
+        kind = self.cfg.cluster
+        if kind.rollout_process and getattr(spec.rollout_fn, "__module__", None) == "__main__":
+            log.warning("the rollout function %s is defined in __main__, which another process cannot import: "
+                        "the rollout manager runs in a thread of this process instead (move it to a module)",
+                        spec.rollout_fn.__name__)
+        elif kind.rollout_process:
+            return self._process_host(spec)
+        return ThreadRollout(spec)
+
+    def _process_host(self, spec: RolloutSpec):
+        kind = self.cfg.cluster
+        if kind.kind == "ray":
+            from trainer_bridge.ray_fleet import RayRollout
+            return RayRollout(spec)
+        return LocalRollout(spec)
 
     def __enter__(self) -> "RolloutBackend":
         return self

@@ -52,17 +52,48 @@ class ServerConfig:
 @dataclass
 class WeightSyncConfig:
     protocol: str = f("tcp", "Mooncake protocol: tcp here; rdma on clusters")
+    device_name: str = f("", "Mooncake device name(s), e.g. RDMA NICs; the trainer and the servers use the same")
     bucket_mb: int = f(64, "bucket size in MiB")
     num_slots: int = f(2, "staging slots per receiver (pipeline depth)")
-    timeout_s: float = f(60.0, "per-hop timeout; a receiver slower than this is named and failed")
+    timeout_s: float = f(60.0, "per-hop timeout; a receiver slower than this is named and dropped")
     inflight: str = f("continue", "running requests at a new version: continue on the new weights, or abort")
-    allow_partial: bool = f(False, "commit on the live receivers when one fails, instead of on none")
+    topology: str = f("tree", "star (the trainer writes to every server) | chain | tree (servers relay: "
+                              "the trainer writes each byte once)")
+    fan_out: int = f(2, "tree: servers each one relays to")
+    min_fraction: float = f(0.5, "a push commits on the servers that remain while at least this share of the "
+                                 "fleet does; lost ones are evicted (1.0: all or none)")
 
     def validate(self) -> None:
         if self.inflight not in ("continue", "abort"):
             raise ValueError(f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'")
         if self.bucket_mb < 1:
             raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1")
+        if self.topology not in ("star", "chain", "tree"):
+            raise ValueError(f"weight_sync.topology={self.topology!r}: use star, chain or tree")
+        if self.fan_out < 1:
+            raise ValueError(f"weight_sync.fan_out={self.fan_out}: must be >= 1")
+        if not 0.0 <= self.min_fraction <= 1.0:
+            raise ValueError(f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]")
+        if self.timeout_s <= 0:
+            raise ValueError(f"weight_sync.timeout_s={self.timeout_s}: must be > 0")
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = f("local", "local (servers and the rollout manager as subprocesses) | ray (Ray actors)")
+    address: str = f("", "ray: the cluster to join (ray://host:10001 or host:6379; '' starts one on this machine)")
+    server_cpus: float = f(1.0, "ray: CPUs in each server's placement group")
+    tensor_parallel: int = f(1, "ray: accelerators (GPU / NPU) in each server's placement group")
+    placement_timeout_s: float = f(60.0, "ray: how long a server's placement may wait for resources")
+    rollout_process: bool = f(True, "run the rollout manager in its own process (off the trainer's GIL)")
+    replace_evicted: bool = f(True, "start a replacement for each server evicted from the fleet")
+
+    def validate(self) -> None:
+        if self.kind not in ("local", "ray"):
+            raise ValueError(f"cluster.kind={self.kind!r}: use local or ray (cluster=local | cluster=ray)")
+        if self.server_cpus <= 0 or self.tensor_parallel < 1 or self.placement_timeout_s <= 0:
+            raise ValueError(f"cluster: server_cpus={self.server_cpus}, tensor_parallel={self.tensor_parallel}, "
+                             f"placement_timeout_s={self.placement_timeout_s}: need > 0, >= 1, > 0")
 
 
 @dataclass
@@ -120,6 +151,7 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str = f("runs/default", "checkpoints, metrics.jsonl, the plot and the wandb run go here")
@@ -129,6 +161,7 @@ class JobConfig:
     def validate(self) -> "JobConfig":
         self.rollout.validate()
         self.weight_sync.validate()
+        self.cluster.validate()
         self.trainer.validate()
         if self.mode not in ("async", "sync"):
             raise ValueError(f"mode={self.mode!r}: use async or sync")

@@ -71,7 +71,7 @@ def run(job: JobConfig) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(resume or model_path), dtype=torch.float32)
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)
     backend = RolloutBackend(BackendConfig(model_path=model_path, task=job.task, rollout=job.rollout,
-                                           server=job.server, weight_sync=job.weight_sync,
+                                           server=job.server, weight_sync=job.weight_sync, cluster=job.cluster,
                                            normalize_std=job.trainer.normalize_std, seed=job.seed,
                                            log_dir=str(run_dir / "logs")))
     first_step = 0

@@ -38,7 +38,7 @@ def schema_paths(cls=JobConfig, prefix: str = "") -> dict[str, str]:
     return out
 
 
-GROUPS = ("model", "task", "rollout", "weight_sync", "server", "trainer", "logger", "hydra")
+GROUPS = ("model", "task", "rollout", "weight_sync", "server", "cluster", "trainer", "logger", "hydra")
 
 
 def check_overrides(argv: list[str]) -> str | None:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import httpx
 
-from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, OpenReply, OpenRequest,
-                                  PrepareRequest, UpdateRef)
+from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind, ForwardRequest,
+                                  OpenReply, OpenRequest, PrepareRequest, UpdateRef)
 
 
 class ReceiverCallError(RuntimeError):
@@ -21,12 +21,13 @@ class HttpReceiverClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
-    def _call(self, method: str, path: str, msg=None) -> dict:
+    def _call(self, method: str, path: str, msg=None, timeout_s: float | None = None) -> dict:
+        timeout = self._http.timeout if timeout_s is None else httpx.Timeout(timeout_s)
         try:
             r = self._http.request(method, f"/weight_sync/{path}",
-                                   json=msg.model_dump(mode="json") if msg is not None else None)
+                                   json=msg.model_dump(mode="json") if msg is not None else None, timeout=timeout)
         except httpx.TimeoutException:
-            raise ReceiverCallError(self.name, f"/{path} timed out after {self._http.timeout.read}s "
+            raise ReceiverCallError(self.name, f"/{path} timed out after {timeout.read}s "
                                                f"(frozen or overloaded?)") from None
         except httpx.HTTPError as e:
             raise ReceiverCallError(self.name, f"/{path} failed: {type(e).__name__}: {e}") from None
@@ -40,8 +41,14 @@ class HttpReceiverClient:
     def open(self, req: OpenRequest) -> OpenReply:
         return OpenReply.model_validate(self._call("POST", "open", req))
 
-    def apply(self, req: ApplyRequest) -> None:
-        self._call("POST", "apply", req)
+    def apply(self, req: ApplyRequest) -> ApplyReply:
+        # a relaying receiver also waits on its own writes onward (each bounded by forward_timeout_s)
+        extra = req.forward_timeout_s * len(req.forward)
+        return ApplyReply.model_validate(self._call("POST", "apply", req, self._http.timeout.read + extra))
+
+    def forward(self, req: ForwardRequest) -> ApplyReply:
+        extra = req.forward_timeout_s * len(req.forward)
+        return ApplyReply.model_validate(self._call("POST", "forward", req, self._http.timeout.read + extra))
 
     def prepare(self, req: PrepareRequest) -> None:
         self._call("POST", "prepare", req)
@@ -84,8 +91,11 @@ class LocalReceiverClient:
     def open(self, req: OpenRequest) -> OpenReply:
         return self._call(self.receiver.open, req)
 
-    def apply(self, req: ApplyRequest) -> None:
-        self._call(self.receiver.apply, req)
+    def apply(self, req: ApplyRequest) -> ApplyReply:
+        return self._call(self.receiver.apply, req)
+
+    def forward(self, req: ForwardRequest) -> ApplyReply:
+        return self._call(self.receiver.forward, req)
 
     def prepare(self, req: PrepareRequest) -> None:
         self._call(self.receiver.prepare, req)

@@ -44,10 +44,30 @@ class OpenReply(BaseModel):
     current_version: int
 
 
+class Target(BaseModel):
+    """A staging slot of another receiver, which this one writes a bucket into (relay fan-out)."""
+    session: str
+    addr: int
+
+
 class ApplyRequest(UpdateRef):
     bucket: int
     slot: int
     digest: str
+    forward: list[Target] = []         # once verified, write the bucket on into these slots
+    forward_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class ForwardRequest(UpdateRef):
+    """Write bucket `bucket`, verified and still in slot `slot`, into `forward` again (a retry)."""
+    bucket: int
+    slot: int
+    forward: list[Target]
+    forward_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class ApplyReply(BaseModel):
+    failed: dict[int, str] = {}        # index in `forward` -> why that write did not land
 
 
 class PrepareRequest(UpdateRef):

@@ -39,9 +39,9 @@ from typing import Callable, Protocol
 import torch
 
 from weight_sync.bucket import Bucket, TensorSpec, plan_buckets, unpack_verified
-from weight_sync.protocol import (ApplyRequest, CommitReply, CommitRequest, ErrorKind, InFlight, OpenReply,
-                                  OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
-from weight_sync.transports import Transport
+from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind, ForwardRequest,
+                                  InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
+from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
 
@@ -156,17 +156,11 @@ class Receiver:
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
                              current_version=current)
 
-    def apply(self, req: ApplyRequest) -> None:
+    def apply(self, req: ApplyRequest) -> ApplyReply:
         """Copy bucket `req.bucket` out of staging slot `req.slot` into the update's targets and check
-        the copy against the sender's digest."""
+        the copy against the sender's digest; then write it on to `req.forward` (relay fan-out)."""
         with self._lock:
-            update = self._current(req)
-            if update.stage not in (Stage.OPEN, Stage.STAGED):
-                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} of version {req.version} arrived "
-                                                     f"after the update was {update.stage.value}")
-            if not 0 <= req.bucket < len(update.plan) or not 0 <= req.slot < len(update.slots):
-                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} / slot {req.slot} out of range "
-                                                     f"({len(update.plan)} buckets, {len(update.slots)} slots)")
+            update = self._staging(req, req.bucket, req.slot)
             if not self.shadow and update.paused_at is None:
                 self.engine.pause()
                 update.paused_at = time.perf_counter()
@@ -180,6 +174,16 @@ class Receiver:
             update.applied.add(req.bucket)
             if len(update.applied) == len(update.plan):
                 update.stage = Stage.STAGED
+            return self._forward(update, req)
+
+    def forward(self, req: ForwardRequest) -> ApplyReply:
+        """Write a bucket this receiver verified, still in its slot, on to other receivers again."""
+        with self._lock:
+            update = self._staging(req, req.bucket, req.slot)
+            if req.bucket not in update.applied:
+                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} of version {req.version} is not verified "
+                                                     f"here: nothing to forward")
+            return self._forward(update, req)
 
     def prepare(self, req: PrepareRequest) -> None:
         with self._lock:
@@ -266,6 +270,28 @@ class Receiver:
                     return
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _staging(self, ref: UpdateRef, bucket: int, slot: int) -> _Update:
+        update = self._current(ref)
+        if update.stage not in (Stage.OPEN, Stage.STAGED):
+            raise ReceiverError(ErrorKind.STATE, f"bucket {bucket} of version {ref.version} arrived "
+                                                 f"after the update was {update.stage.value}")
+        if not 0 <= bucket < len(update.plan) or not 0 <= slot < len(update.slots):
+            raise ReceiverError(ErrorKind.STATE, f"bucket {bucket} / slot {slot} out of range "
+                                                 f"({len(update.plan)} buckets, {len(update.slots)} slots)")
+        return update
+
+    def _forward(self, update: _Update, req: ApplyRequest | ForwardRequest) -> ApplyReply:
+        """The relay hop: this receiver's slot into each target's slot, with its own transport."""
+        src, nbytes = update.slots[req.slot], update.plan[req.bucket].nbytes
+        failed = {}
+        for i, target in enumerate(req.forward):
+            try:
+                self.transport.write(target.session, [WriteOp(src.data_ptr(), target.addr, nbytes)],
+                                     req.forward_timeout_s)
+            except TransportError as e:
+                failed[i] = str(e)
+        return ApplyReply(failed=failed)
+
     def _current(self, ref: UpdateRef) -> _Update:
         update = self._update
         if update is None or update.ref.update_id != ref.update_id or update.version != ref.version:

@@ -14,7 +14,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from weight_sync import live_digest
-from weight_sync.protocol import ApplyRequest, CommitRequest, OpenRequest, PrepareRequest, PushToRequest, UpdateRef
+from weight_sync.protocol import (ApplyRequest, CommitRequest, ForwardRequest, OpenRequest, PrepareRequest,
+                                  PushToRequest, UpdateRef)
 from weight_sync.receiver import Receiver, ReceiverError
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ def _protocol_routes(app: FastAPI, receiver: Receiver) -> None:
 
     @app.post(PREFIX + "apply")
     async def ws_apply(req: ApplyRequest):
-        await asyncio.to_thread(receiver.apply, req)
-        return {"success": True}
+        return (await asyncio.to_thread(receiver.apply, req)).model_dump()
+
+    @app.post(PREFIX + "forward")
+    async def ws_forward(req: ForwardRequest):
+        return (await asyncio.to_thread(receiver.forward, req)).model_dump()
 
     @app.post(PREFIX + "prepare")
     async def ws_prepare(req: PrepareRequest):

@@ -1,22 +1,24 @@
 """The trainer's side of weight sync: `WeightSync(receivers).push(model, version)`.
 
-Pipelined: while bucket k travels to every receiver, bucket k+1 is packed and the receivers copy
-and verify bucket k-1. Local staging is a ring of `num_slots + 1` registered buffers, each receiver's
-a ring of `num_slots` staging slots; bucket k's local buffer is reused only after every receiver
-applied it, so a digest mismatch is retried from it. Every hop has a timeout. A receiver that fails
-before the decision is named; the update is aborted everywhere (nobody flips; the aborts go out in
-the background, so a frozen receiver costs one hop timeout, not two) unless `allow_partial`, which
-drops it and goes on.
+Pipelined: bucket k+1 is packed while bucket k travels down the fan-out tree (`fanout.py`: a star,
+or a chain / tree where receivers relay each bucket onward, so the trainer writes it once) and
+receivers copy and verify it. Local staging is a ring of `num_slots + 1` registered buffers, each
+receiver's a ring of `num_slots` staging slots; bucket k's local buffer is reused only once every
+receiver verified it, so a digest mismatch anywhere is rewritten from it. Every hop has a timeout.
+A receiver that fails before the decision is named and dropped while at least `min_fraction` of
+the fleet remains (else the update is aborted everywhere and nobody flips; the aborts go out in
+the background, so a frozen receiver costs one hop timeout, not two).
 
-Commit is two-phase: all receivers prepare (everything staged and verified), then the outcome is
-commit, whatever happens next. A receiver that does not confirm its commit is reported (the push
-raises CommitIncomplete, or with `allow_partial` lists it in `stats.pending`) and the commit is
-offered to it again in the background; it also asks its peers. Pushing the same version again
-completes it: receivers already serving the version answer so at open and are left alone.
+Commit is two-phase: all remaining receivers prepare (everything staged and verified), then the
+outcome is commit, whatever happens next. A receiver that does not confirm its commit is reported
+(`stats.pending`; the push raises CommitIncomplete when fewer than `min_fraction` confirmed) and the
+commit is offered to it again in the background; it also asks its peers. Pushing the same version
+again completes it: receivers already serving the version answer so at open and are left alone.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,8 +31,8 @@ import torch
 from weight_sync import named_weights
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, digest, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
-from weight_sync.protocol import (ApplyRequest, CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest,
-                                  PrepareRequest, UpdateRef)
+from weight_sync.fanout import Fanout, Hop, tree_parents
+from weight_sync.protocol import CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, UpdateRef
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -61,11 +63,12 @@ class PushStats:
     apply_s: float = 0.0
     commit_s: float = 0.0
     retries: int = 0
+    egress_bytes: int = 0          # what the trainer itself wrote (relay: ~bytes; star: ~bytes x receivers)
     stall_s: dict[str, float] = field(default_factory=dict)
     aborted_requests: dict[str, int] = field(default_factory=dict)
     serving: dict[str, int | None] = field(default_factory=dict)   # receiver -> version it serves (None: unknown)
     pending: dict[str, str] = field(default_factory=dict)          # committed here, unconfirmed there: why
-    dropped: dict[str, str] = field(default_factory=dict)          # left out of the update (allow_partial)
+    dropped: dict[str, str] = field(default_factory=dict)          # left out of the update (min_fraction)
 
     @property
     def gbps(self) -> float:
@@ -90,23 +93,51 @@ class _Peer:
 
 class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
-                 num_slots: int = 2, timeout_s: float = 30.0, allow_partial: bool = False, max_retries: int = 2,
-                 api_key: str | None = None):
+                 num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
+                 api_key: str | None = None, topology: str = "star", fan_out: int = 2,
+                 host: str | None = None, protocol: str = "tcp", device_name: str = ""):
+        """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
+        stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out).
+        Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
+        the first receiver, loopback for a loopback fleet) with the receivers' protocol and device."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self.clients = [HttpReceiverClient(r, timeout_s, api_key) if isinstance(r, str) else r for r in receivers]
+        if not 0.0 <= min_fraction <= 1.0:
+            raise ValueError(f"min_fraction={min_fraction}: must be in [0, 1]")
+        tree_parents(1, topology, fan_out)                  # a bad topology fails here, not mid-push
+        self.timeout_s, self.min_fraction, self.max_retries = timeout_s, min_fraction, max_retries
+        self.api_key = api_key
+        self.clients = [self._client(r) for r in receivers]
         if not self.clients:
             raise ValueError("WeightSync needs at least one receiver")
         if transport is None:
-            from weight_sync.transports import MooncakeTransport
-            transport = MooncakeTransport()
+            from weight_sync.transports.mooncake import MooncakeTransport, routable_host
+            transport = MooncakeTransport(host or routable_host(getattr(self.clients[0], "url", "")), protocol,
+                                          device_name)
         self.transport = transport
         self.bucket_bytes, self.num_slots = bucket_bytes, num_slots
-        self.timeout_s, self.allow_partial, self.max_retries = timeout_s, allow_partial, max_retries
+        self.topology, self.fan_out = topology, fan_out
         self._local: list[torch.Tensor] = []
         self._ref: UpdateRef | None = None           # the update being pushed (or last pushed)
+        self._peers: list[_Peer] = []
+        self._drop_lock = threading.Lock()
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=3 * len(self.clients) + 2, thread_name_prefix="weight-sync")
+        self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
+
+    def _client(self, receiver):
+        return HttpReceiverClient(receiver, self.timeout_s, self.api_key) if isinstance(receiver, str) else receiver
+
+    # ---- the fleet --------------------------------------------------------------------------------
+    def add_receiver(self, receiver) -> None:
+        """A server that joins the fleet: it takes part from the next push on."""
+        self.clients.append(self._client(receiver))
+
+    def remove_receiver(self, name: str) -> None:
+        """A server that left the fleet (by URL): no later push goes to it."""
+        gone = [c for c in self.clients if c.name == name.rstrip("/")]
+        self.clients = [c for c in self.clients if c not in gone]
+        for c in gone:
+            c.close()
 
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
@@ -114,7 +145,7 @@ class WeightSync:
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
         tensors = named_weights(weights)
-        peers = [_Peer(c) for c in self.clients]
+        peers = self._peers = [_Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
             staging = [p for p in peers if p.staging]
@@ -209,8 +240,8 @@ class WeightSync:
             stats.serving[p.name] = v if p.current or (p.staging and p.name not in stats.pending) else old
             if p.error:
                 stats.dropped[p.name] = p.error
-        if stats.pending and not self.allow_partial:
-            done = [n for n, s in stats.serving.items() if s == v]
+        done = [n for n, s in stats.serving.items() if s == v]
+        if stats.pending and len(done) < math.ceil(self.min_fraction * len(peers)):
             raise CommitIncomplete(
                 f"version {v} is committed on {', '.join(done) or 'no receiver yet'}, but not confirmed by " +
                 "; ".join(f"{n} ({e})" for n, e in stats.pending.items()) +
@@ -234,26 +265,27 @@ class WeightSync:
             out[s.name] = t
         return out
 
-    def _stream(self, peers, plan: list[Bucket], sources, ref: UpdateRef, stats: PushStats) -> None:
+    def _stream(self, peers: list[_Peer], plan: list[Bucket], sources, ref: UpdateRef, stats: PushStats) -> None:
+        """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel."""
         self._ensure_local(max(b.nbytes for b in plan))
-        ring = len(self._local)
-        packed: dict[int, Future] = {0: self._pool.submit(self._pack, plan[0], sources, 0)} if plan else {}
-        applying: dict[int, list[tuple[_Peer, Future]]] = {}
-        for k, bucket in enumerate(plan):
-            if k - self.num_slots in applying:
-                j = k - self.num_slots
-                self._settle(j, applying.pop(j), plan[j], ref, stats)
-            if k + 1 < len(plan):
-                packed[k + 1] = self._pool.submit(self._pack, plan[k + 1], sources, (k + 1) % ring)
-            pack_s, dig = packed.pop(k).result()
-            stats.pack_s += pack_s
-            t = time.perf_counter()
-            self._each(peers, lambda p: self._write(p, k % ring, k, bucket.nbytes), "transfer")
-            stats.transfer_s += time.perf_counter() - t
-            applying[k] = [(p, self._pool.submit(self._apply, p, ref, k, dig))
-                           for p in peers if p.error is None]
-        for j in sorted(applying):
-            self._settle(j, applying[j], plan[j], ref, stats)
+        ring, t = len(self._local), time.perf_counter()
+        hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
+        with ThreadPoolExecutor(Fanout.pool_size(len(peers), ring), thread_name_prefix="weight-sync-fanout") as pool:
+            fan = Fanout(peers, tree_parents(len(peers), self.topology, self.fan_out), self.num_slots, ring, ref, hop,
+                         pool)
+            moving: list[Future] = []
+            for k, bucket in enumerate(plan):
+                fan.take_local(k)
+                for f in moving:
+                    if f.done():
+                        f.result()           # an update that cannot go on stops here
+                pack_s, dig = self._pack(bucket, sources, k % ring)
+                stats.pack_s += pack_s
+                moving.append(pool.submit(fan.bucket, k, bucket.nbytes, dig))
+            for f in moving:
+                f.result()
+        stats.transfer_s = time.perf_counter() - t
+        stats.apply_s, stats.retries, stats.egress_bytes = fan.apply_s, fan.retries, fan.egress_bytes
 
     def _pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], slot: int) -> tuple[float, str]:
         t = time.perf_counter()
@@ -268,33 +300,7 @@ class WeightSync:
         except TransportError as e:
             raise ReceiverCallError(peer.name, f"transfer failed: {e}") from None
 
-    def _apply(self, peer: _Peer, ref: UpdateRef, k: int, dig: str) -> float:
-        t = time.perf_counter()
-        peer.client.apply(ApplyRequest(**ref.model_dump(), bucket=k, slot=k % self.num_slots, digest=dig))
-        return time.perf_counter() - t
-
-    def _settle(self, k: int, pending, bucket: Bucket, ref: UpdateRef, stats: PushStats) -> None:
-        """Wait for bucket k's applies; a digest mismatch is rewritten from the local slot and retried."""
-        local = self._local[k % len(self._local)]
-        for peer, fut in pending:
-            for attempt in range(self.max_retries + 1):
-                try:
-                    stats.apply_s += fut.result()
-                    break
-                except ReceiverCallError as e:
-                    if e.kind is not ErrorKind.DIGEST or attempt == self.max_retries:
-                        self._fail(peer, e)
-                        break
-                    log.warning("%s; rewriting bucket %d (attempt %d)", e, k, attempt + 1)
-                    stats.retries += 1
-                    try:
-                        self._write(peer, k % len(self._local), k, bucket.nbytes)
-                    except ReceiverCallError as we:
-                        self._fail(peer, we)
-                        break
-                    fut = self._pool.submit(self._apply, peer, ref, k, digest(local[:bucket.nbytes]))
-
-    # ---- fan-out and failure ---------------------------------------------------------------------
+    # ---- failure ---------------------------------------------------------------------------------
     def _each(self, peers: list[_Peer], fn, step: str) -> list:
         """Run `fn` on every live peer in parallel; a failure drops the peer or fails the update."""
         live = [p for p in peers if p.error is None]
@@ -304,16 +310,21 @@ class WeightSync:
             try:
                 out.append((p, f.result()))
             except ReceiverCallError as e:
-                self._fail(p, e, stale=e.kind is ErrorKind.STALE)
+                self._drop(p, e, stale=e.kind is ErrorKind.STALE)
         if not any(p.error is None for p in peers):
             raise WeightSyncError(f"no receiver left after {step}: " +
                                   "; ".join(f"{p.client.name}: {p.error}" for p in peers))
         return out
 
-    def _fail(self, peer: _Peer, error: Exception, stale: bool = False) -> None:
-        if not self.allow_partial or stale:
-            raise WeightSyncError(str(error)) from None
-        peer.error = str(error)
+    def _drop(self, peer: _Peer, error: Exception, stale: bool = False) -> None:
+        """Leave `peer` out of this update, or raise when the update may not go on without it."""
+        with self._drop_lock:
+            if peer.error is not None:
+                return
+            alive = sum(p.error is None for p in self._peers) - 1
+            if stale or alive < max(1, math.ceil(self.min_fraction * len(self._peers))):
+                raise WeightSyncError(str(error)) from None
+            peer.error = str(error)
         log.warning("dropping %s from this update: %s", peer.name, error)
         self._pool.submit(self._quiet_abort, peer, self._ref)
 

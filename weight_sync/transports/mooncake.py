@@ -1,7 +1,10 @@
 """Transport over the Mooncake transfer engine (TCP, RDMA, ...), peers found by P2P handshake."""
 from __future__ import annotations
 
+import ipaddress
+import socket
 import time
+from urllib.parse import urlparse
 
 import torch
 
@@ -12,6 +15,20 @@ from weight_sync.transports.base import Transport, TransportError, WriteOp, chec
 _SUBMIT_FAILED = (0, 2**64 - 1, -1)
 _DONE, _PENDING, _FAILED = 1, 0, -1  # transfer_check_status codes; -2 is an engine-side timeout
 _POLL_S = 0.0005
+
+
+def routable_host(toward: str = "") -> str:
+    """This machine's address on the route toward `toward` (a URL or host): loopback for a loopback
+    peer (or none), else the address peers on other machines can reach, never 127.0.0.1."""
+    host = urlparse(toward).hostname if "://" in toward else toward
+    try:
+        if not host or ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))                # no packet is sent: this only picks the route
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 class MooncakeTransport(Transport):

@@ -1,0 +1,175 @@
+"""A fleet of servers as Ray actors: weight pushes star against relay, and a server's death.
+
+    python bench/fleet.py [--sizes 1,2,4] [--pushes 3] [--hidden 384 --layers 4]
+
+One run, on a real Ray cluster on this machine (ray.cluster_utils.Cluster: a head and 3 worker
+nodes of 2 CPUs, all on 127.0.0.1), one tiny random Qwen2 (built into a temp dir).
+
+ (a) Pushes: 4 servers (RayFleet: an actor and a placement group each, 0.5 CPU), then for each N in
+     --sizes and each mode, `WeightSync(first N servers).push(weights, v)` --pushes times (one element
+     of every tensor nudged before each, so every version differs): star (the trainer writes every
+     bucket to every server) and relay (topology tree, fan-out 2: the trainer writes each bucket once,
+     servers pass it on). Reported per N and mode: median push seconds, commit seconds, and the
+     trainer's egress bytes over the model's bytes (what the trainer itself wrote: star ~N, relay ~1).
+     After each mode, every server's live-weight digest must equal the trainer's.
+ (b) A death: RolloutBackend(cluster=ray, 2 servers) generating GRPO batches; one server is killed
+     (SIGKILL) mid-rollout; the next push drops it (evicted), a replacement starts on a free node,
+     cold-starts from the live server and joins. replace_s: from the eviction to the replacement
+     taking requests. samples_lost: prompts drawn but neither handed out, nor pending in the manager,
+     nor dropped and counted (should be 0); samples_duplicated: sample ids handed out twice.
+
+Logs go to stderr; the last line is one JSON object: relay_egress_ratio_n4, star_egress_ratio_n4,
+push_s ({mode: {N: seconds}}), commit_s, egress_ratio, replace_s, samples_lost, samples_duplicated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # read by Ray at import: nodes stay on 127.0.0.1
+
+
+def log(msg: str) -> None:
+    print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+    small = dict(node_ip_address="127.0.0.1", object_store_memory=100 << 20)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False, **small})
+    for _ in range(3):
+        c.add_node(num_cpus=2, **small)
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    return c
+
+
+def configs(model_path: str, address: str, n: int = 2, topology: str = "tree"):
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig
+    from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig
+    return BackendConfig(model_path=model_path, task=TaskConfig(name="copy", num_digits=2),
+                         rollout=RolloutConfig(group_size=4, batch_size=4, max_new_tokens=32, ignore_eos=True,
+                                               max_staleness=2, progress_timeout_s=5),
+                         server=ServerConfig(num_servers=n, context_length=256, device="cpu", dtype="float32"),
+                         weight_sync=WeightSyncConfig(bucket_mb=8, timeout_s=10, topology=topology),
+                         cluster=ClusterConfig(kind="ray", address=address, server_cpus=0.5))
+
+
+def pushes(cfg, model, sizes: list[int], count: int) -> dict:
+    import torch
+
+    from trainer_bridge.ray_fleet import RayFleet
+    from weight_sync import live_digest, named_weights
+    from weight_sync.sender import WeightSync
+    fleet = RayFleet(cfg.model_path, cfg.server, cfg.weight_sync, cfg.cluster)
+    urls = fleet.launch(max(sizes), 0)
+    params = named_weights(model)
+    nbytes = sum(t.nbytes for t in params.values())
+    out = {"model_bytes": nbytes, "push_s": {}, "commit_s": {}, "egress_ratio": {}, "verified": True}
+    version = 0
+    try:
+        for mode, topology in (("star", "star"), ("relay", "tree")):
+            for n in sizes:
+                sync = WeightSync(urls[:n], bucket_bytes=cfg.weight_sync.bucket_mb << 20, timeout_s=30,
+                                  topology=topology, host=fleet.host)
+                runs = []
+                try:
+                    for _ in range(count + 1):             # the first allocates slots and shadows: untimed
+                        with torch.no_grad():
+                            for t in params.values():
+                                t.view(-1)[version % t.numel()] += 1e-3
+                        version += 1
+                        runs.append(sync.push(params, version))
+                finally:
+                    sync.close()
+                timed = runs[1:]
+                out["push_s"].setdefault(mode, {})[n] = round(statistics.median(s.seconds for s in timed), 3)
+                out["commit_s"].setdefault(mode, {})[n] = round(statistics.median(s.commit_s for s in timed), 4)
+                out["egress_ratio"].setdefault(mode, {})[n] = round(statistics.median(s.egress_bytes for s in timed) / nbytes, 3)
+                log(f"{mode} N={n}: push {out['push_s'][mode][n]} s, egress {out['egress_ratio'][mode][n]} x model")
+                import httpx
+                want = live_digest(params)
+                got = [httpx.get(f"{u}/weight_sync/digest", timeout=60).json()["digest"] for u in urls[:n]]
+                out["verified"] &= all(g == want for g in got)
+    finally:
+        fleet.close()
+    return out
+
+
+def death(cfg, model) -> dict:
+    import signal
+
+    from trainer_bridge.backend import RolloutBackend
+    seen = []
+    with RolloutBackend(cfg) as b:
+        b.start(model)
+        seen += b.next_batch(timeout_s=300).samples
+        victim = b.servers[0]
+        os.kill(b.fleet.pid(victim), signal.SIGKILL)
+        log(f"killed {victim} mid-rollout")
+        seen += b.next_batch(timeout_s=300).samples
+        b.push_weights(model, version=1)
+        deadline = time.monotonic() + 300
+        while b.stats.replacements < 1 and time.monotonic() < deadline:
+            seen += b.next_batch(timeout_s=300).samples
+        state = b.state_dict()
+        replace_s = b.stats.last_replace_s if b.stats.replacements else None
+    started = state["data"]["cursor"] + state["data"]["epoch"] * len(b.items)
+    groups = {s.group_id for s in seen}
+    accounted = len(groups) + len(state["groups"]) + sum(state["metrics"]["drops"].values())
+    return {"replace_s": round(replace_s, 2) if replace_s is not None else None,
+            "samples_lost": (started - accounted) * cfg.rollout.group_size,
+            "samples_duplicated": len(seen) - len({s.uid for s in seen}),
+            "evictions": b.stats.evictions}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1,2,4")
+    p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--layers", type=int, default=4)
+    a = p.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",")]
+    if min(sizes) < 1 or max(sizes) > 6:
+        p.error(f"--sizes {a.sizes}: between 1 and 6 servers (3 nodes of 2 CPUs, 0.5 CPU a server)")
+
+    import logging
+
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from inference_server.tiny_model import build_tiny_model
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    root = Path(tempfile.mkdtemp(prefix="riptide_fleet_"))
+    path = str(build_tiny_model(root / "model", hidden=a.hidden, layers=a.layers, heads=6, kv_heads=2,
+                                tokenizer="chars", max_positions=512))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    cluster = ray_cluster()
+    try:
+        out = pushes(configs(path, cluster.address), model, sizes, a.pushes)
+        out.update(death(configs(path, cluster.address), model))
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    big = max(sizes)
+    result = {f"relay_egress_ratio_n{big}": out["egress_ratio"]["relay"][big],
+              f"star_egress_ratio_n{big}": out["egress_ratio"]["star"][big], **out}
+    sys.stderr.flush()
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

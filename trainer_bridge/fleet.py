@@ -1,0 +1,85 @@
+"""Where inference servers run: local subprocesses (`cluster=local`) or Ray actors (`cluster=ray`,
+ray_fleet.py). A fleet starts servers (from the checkpoint, or cold from a live peer's weights),
+stops them for good, and says the address the trainer's weight sender should bind. Membership (who
+gets rollout requests and weight pushes) is the backend's: the fleet only places processes.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+from inference_server.process import ServerProcess, cpu_share_args
+from trainer_bridge.config import ServerConfig, WeightSyncConfig
+
+log = logging.getLogger(__name__)
+
+
+class Fleet(Protocol):
+    host: str                    # the trainer's routable address (its weight sender binds it)
+
+    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+        """Start n servers and return their URLs once they serve: with `peer`, each pulls that live
+        server's weights (cold start), else loads the checkpoint as `version`."""
+
+    def stop(self, url: str) -> None:
+        """Stop a server for good (killed, not asked): it never serves again."""
+
+    def close(self) -> None: ...
+
+
+def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, version: int,
+                peer: str | None, share: int) -> list[str]:
+    args = ["--max-running-requests", str(server.max_running_requests), "--context-length",
+            str(server.context_length), "--device", server.device, "--dtype", server.dtype, "--seed", str(seed),
+            "--weight-version", str(version), "--weight-sync-protocol", weight_sync.protocol]
+    if weight_sync.device_name:
+        args += ["--weight-sync-device", weight_sync.device_name]
+    if server.api_key:
+        args += ["--api-key", server.api_key]
+    if peer:
+        args += ["--weights-from-peer", peer]
+    return args + cpu_share_args(share)
+
+
+class LocalFleet:
+    """Servers as subprocesses of this process, on loopback; each dies with it (parent-death watch)."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, model_path: str, server: ServerConfig, weight_sync: WeightSyncConfig, seed: int = 0,
+                 log_dir: str = ""):
+        self.model_path, self.server, self.weight_sync, self.seed = model_path, server, weight_sync, seed
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="riptide-servers-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, ServerProcess] = {}
+        self._started = itertools.count()
+
+    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+        args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers)
+        procs = [ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{next(self._started)}.log")
+                 for _ in range(n)]
+        try:
+            for p in procs:
+                p.start(timeout=self.server.start_timeout_s)
+        except BaseException:
+            for p in procs:
+                p.stop()
+            raise
+        self.procs.update({p.url: p for p in procs})
+        return [p.url for p in procs]
+
+    def stop(self, url: str) -> None:
+        proc = self.procs.pop(url, None)
+        if proc is not None:
+            proc.kill()
+
+    def pid(self, url: str) -> int:
+        return self.procs[url].proc.pid
+
+    def close(self) -> None:
+        for p in list(self.procs.values()):
+            p.stop()
+        self.procs.clear()

@@ -1,0 +1,156 @@
+"""`cluster=ray`: servers and the rollout manager as Ray actors.
+
+Each inference server is an actor in a placement group of its own (one bundle, the resources of
+`platform_bundle`), so replicas come and go one at a time. The actor runs the server as a child
+process on its node, bound to the node's address (never 127.0.0.1 off one machine), and reports its
+URL and its Mooncake segment; the server dies with the actor (parent-death watch) and the actor with
+its node. A placement the cluster cannot satisfy fails within `placement_timeout_s`, saying what was
+asked and what the cluster has. The rollout manager is one more actor, on the trainer's node (no
+resources reserved: it waits on the network; and it must not go down with a server's node),
+running `rollout.service.RolloutService` on the actor's event loop.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from inference_server.device import server_bundle
+from inference_server.process import ServerProcess, free_port
+from rollout.service import RolloutService, RolloutSpec
+from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
+from trainer_bridge.fleet import server_args
+
+log = logging.getLogger(__name__)
+
+
+def connect(cluster: ClusterConfig) -> None:
+    """Join the cluster at `cluster.address`, or start a local one (on loopback when no address)."""
+    if ray.is_initialized():
+        return
+    if cluster.address:
+        ray.init(address=cluster.address, log_to_driver=False)
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+
+
+class ServerActor:
+    """One inference server on this actor's node."""
+
+    def start(self, model_path: str, args: list[str], timeout_s: float) -> dict:
+        host = ray.util.get_node_ip_address()
+        log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
+        log_dir.mkdir(exist_ok=True)
+        port = free_port(host)
+        self.server = ServerProcess(model_path, port=port, host=host, args=args + ["--weight-sync-host", host],
+                                    log_path=log_dir / f"server-{port}.log")
+        self.server.start(timeout=timeout_s)
+        return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
+                "pid": self.server.proc.pid}
+
+    def kill(self) -> None:
+        self.server.kill()
+
+
+class RolloutActor:
+    """RolloutService on this actor's event loop, which keeps running between calls."""
+
+    def __init__(self, spec: RolloutSpec):
+        self.service = RolloutService(spec)
+
+    async def call(self, method: str, *args):
+        return await getattr(self.service, method)(*args)
+
+
+class RayRollout:
+    """The trainer's side of the rollout actor: the same blocking call() as LocalRollout."""
+
+    def __init__(self, spec: RolloutSpec, start_timeout_s: float = 120.0):
+        # on the trainer's node: it must not go down with a server's node
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor = ray.remote(num_cpus=0, max_concurrency=8)(RolloutActor).options(
+            scheduling_strategy=here).remote(spec)
+        self.call("ping", timeout_s=start_timeout_s)
+
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        try:
+            return ray.get(self.actor.call.remote(method, *args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the rollout actor did not answer {method} within {timeout_s}s") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(str(e.cause) if e.cause is not None else str(e)) from None
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        try:
+            self.call("close", timeout_s=timeout_s)
+        except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:
+            log.warning("rollout actor did not close cleanly: %s", e)
+        ray.kill(self.actor)
+
+
+class RayFleet:
+    def __init__(self, model_path: str, server: ServerConfig, weight_sync: WeightSyncConfig, cluster: ClusterConfig,
+                 seed: int = 0):
+        connect(cluster)
+        self.model_path, self.server, self.weight_sync, self.cluster, self.seed = \
+            model_path, server, weight_sync, cluster, seed
+        self.host = ray.util.get_node_ip_address()
+        self.replicas: dict[str, tuple] = {}      # url -> (actor, placement group, info)
+
+    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+        bundle = server_bundle(self.server.device, self.cluster.server_cpus, self.cluster.tensor_parallel)
+        groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
+        actors = []
+        try:
+            self._wait_placed(groups, bundle)
+            args = server_args(self.server, self.weight_sync, self.seed, version, peer, 1)
+            actors = [ray.remote(ServerActor).options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=0),
+            ).remote() for g in groups]
+            infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s) for a in actors],
+                            timeout=self.server.start_timeout_s + 30)
+        except BaseException:
+            for a in actors:
+                ray.kill(a)
+            for g in groups:
+                remove_placement_group(g)
+            raise
+        for a, g, info in zip(actors, groups, infos):
+            self.replicas[info["url"]] = (a, g, info)
+        return [info["url"] for info in infos]
+
+    def _wait_placed(self, groups: list, bundle: dict) -> None:
+        try:
+            ray.get([g.ready() for g in groups], timeout=self.cluster.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"cannot place {len(groups)} server(s) of {bundle} each within {self.cluster.placement_timeout_s}s: "
+                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free "
+                f"(cluster.server_cpus, server.num_servers, or add nodes)") from None
+
+    def stop(self, url: str) -> None:
+        actor, group, _ = self.replicas.pop(url, (None, None, None))
+        if actor is None:
+            return
+        try:
+            ray.get(actor.kill.remote(), timeout=10)
+        except ray.exceptions.RayError as e:     # its node is gone, or the actor with it
+            log.info("server %s already gone: %s", url, type(e).__name__)
+        ray.kill(actor)
+        remove_placement_group(group)
+
+    def info(self, url: str) -> dict:
+        return self.replicas[url][2]
+
+    def pid(self, url: str) -> int:
+        return self.info(url)["pid"]
+
+    def close(self) -> None:
+        for url in list(self.replicas):
+            self.stop(url)

@@ -1,0 +1,198 @@
+"""How one push's buckets reach every receiver: down a tree rooted at the trainer.
+
+`star`: the trainer writes every bucket to every receiver (its egress is N x the model). `chain` and
+`tree` (fan-out f): the trainer writes each bucket once, to the first receiver, and every receiver
+that has verified a bucket writes it on to its children from its staging slot (`apply` with
+`forward`), so the trainer's egress stays ~1x the model whatever the fleet; a chain is a tree of
+fan-out 1. Every hop checks the digest of what it copied.
+
+Pipelined: bucket k moves down the tree while k+1 follows it. Slot j of a receiver holds bucket k
+from the moment k is written into it until its subtree has verified k; the trainer's local slot
+holds k until the whole tree has. Slots are taken top down, so no two buckets wait on each other in
+a cycle.
+
+Failures: a bucket whose digest fails at a receiver is written into it again by the trainer (its
+local slot still holds the bucket) and retried. A receiver that fails (timed out, unreachable,
+digests that stay wrong) is dropped when the fleet may shrink (`Hop.drop` raises otherwise); its
+children are then fed by its nearest live ancestor, which sends them the buckets in flight from the
+trainer and relays every later one.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+from weight_sync.clients import ReceiverCallError
+from weight_sync.protocol import ApplyRequest, ErrorKind, Target, UpdateRef
+
+log = logging.getLogger(__name__)
+TRAINER = -1
+TOPOLOGIES = ("star", "chain", "tree")
+
+
+def tree_parents(n: int, topology: str, fan_out: int = 2) -> list[int]:
+    """The parent of each of n receivers (TRAINER for the trainer's own children)."""
+    if topology == "star":
+        return [TRAINER] * n
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"weight_sync.topology={topology!r}: use one of {TOPOLOGIES}")
+    f = 1 if topology == "chain" else fan_out
+    if f < 1:
+        raise ValueError(f"weight_sync.fan_out={fan_out}: must be >= 1")
+    return [TRAINER] + [(i - 1) // f for i in range(1, n)]
+
+
+@dataclass
+class Hop:
+    """What the fan-out needs of the sender."""
+    write: Callable[[object, int, int, int], None]     # (peer, local slot, bucket k, nbytes): trainer -> peer
+    drop: Callable[[object, Exception], None]          # raises when the update cannot go on without it
+    timeout_s: float
+    max_retries: int
+
+
+class Fanout:
+    def __init__(self, peers: list, parent: list[int], num_slots: int, ring: int, ref: UpdateRef, hop: Hop,
+                 pool: ThreadPoolExecutor):
+        self.peers, self.parent, self.ref, self.hop, self.pool = peers, parent, ref, hop, pool
+        self.num_slots, self.ring = num_slots, ring
+        self.slots = [[threading.Semaphore(1) for _ in range(num_slots)] for _ in peers]
+        self.local = [threading.Semaphore(1) for _ in range(ring)]
+        self._nbytes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.failed: BaseException | None = None     # the error that ends the update: every wait gives up
+        self.egress_bytes = 0
+        self.apply_s = 0.0
+        self.retries = 0
+
+    def children(self, node: int) -> list[int]:
+        """Live receivers whose nearest live ancestor is `node` (a dropped receiver's children
+        belong to its parent)."""
+        out = []
+        for i in range(len(self.peers)):
+            if self.peers[i].error is not None:
+                continue
+            up = self.parent[i]
+            while up != TRAINER and self.peers[up].error is not None:
+                up = self.parent[up]
+            if up == node:
+                out.append(i)
+        return out
+
+    def take_local(self, k: int) -> int:
+        """Wait until local slot k % ring is free: bucket k - ring has reached every receiver."""
+        self._acquire(self.local[k % self.ring])
+        return k % self.ring
+
+    def bucket(self, k: int, nbytes: int, digest: str) -> None:
+        """Bucket k, packed in local slot k % ring, to every live receiver; returns once each has
+        verified it. A failure that ends the update is raised, and every other wait gives up."""
+        self._nbytes[k] = nbytes
+        try:
+            self._serve(TRAINER, k, digest, sent=[])
+        except BaseException as e:
+            self.failed = self.failed or e
+            raise
+        finally:
+            self.local[k % self.ring].release()
+
+    def _acquire(self, slot: threading.Semaphore) -> None:
+        while not slot.acquire(timeout=0.05):
+            if self.failed is not None:
+                raise self.failed
+
+    # ---- one bucket down the tree ------------------------------------------------------------------
+    def _serve(self, node: int, k: int, digest: str, sent: list[int]) -> None:
+        """`node` holds bucket k verified (the trainer: in its ring) and wrote it already into `sent`.
+        Every child of node gets it, verifies it and serves its own children; a child dropped on the
+        way leaves its children to node, served in the next round."""
+        served: set[int] = set()
+        while kids := [c for c in self.children(node) if c not in served]:
+            served.update(kids)
+            self._each(lambda c: self._send(c, k), [c for c in kids if c not in sent])
+            sent = []
+            self._each(lambda c: self._visit(c, k, digest), [c for c in kids if self.peers[c].error is None])
+
+    def _visit(self, node: int, k: int, digest: str) -> None:
+        """Bucket k has been written into node's slot: verify it there, write it on to node's
+        children, let them do the same. Node's slot stays held until its subtree has the bucket."""
+        j = k % self.num_slots
+        try:
+            kids = self.children(node)
+            for c in kids:
+                self._acquire(self.slots[c][j])
+            try:
+                failed = self._apply(node, k, digest, kids)
+            except ReceiverCallError as e:
+                self._drop(node, e)         # its children are its parent's now: served there
+                return
+            for i, error in failed.items():
+                self._drop(kids[i], ReceiverCallError(self.peers[kids[i]].name, f"relay write failed: {error}"))
+            self._serve(node, k, digest, sent=[c for i, c in enumerate(kids) if i not in failed])
+        finally:
+            self.slots[node][j].release()
+
+    def _apply(self, node: int, k: int, digest: str, kids: list[int]) -> dict[int, str]:
+        """Bucket k at node, forwarded to `kids`; a digest mismatch is written again from the
+        trainer and retried. Returns the forward writes that failed, by index in kids."""
+        j = k % self.num_slots
+        targets = [Target(session=self.peers[c].reply.session, addr=self.peers[c].reply.slot_addrs[j]) for c in kids]
+        req = ApplyRequest(**self.ref.model_dump(), bucket=k, slot=j, digest=digest, forward=targets,
+                           forward_timeout_s=self.hop.timeout_s)
+        for attempt in range(self.hop.max_retries + 1):
+            t = time.perf_counter()
+            try:
+                reply = self.peers[node].client.apply(req)
+            except ReceiverCallError as e:
+                if e.kind is not ErrorKind.DIGEST or attempt == self.hop.max_retries:
+                    raise
+                log.warning("%s; sending bucket %d again (attempt %d)", e, k, attempt + 1)
+                with self._lock:
+                    self.retries += 1
+                self.hop.write(self.peers[node], k % self.ring, k, self._nbytes[k])
+                self._count(self._nbytes[k])
+                continue
+            with self._lock:
+                self.apply_s += time.perf_counter() - t
+            return reply.failed
+        raise AssertionError("unreachable")
+
+    def _send(self, node: int, k: int) -> None:
+        """The trainer writes bucket k into node's slot (once the slot is free); node is dropped
+        when that fails."""
+        self._acquire(self.slots[node][k % self.num_slots])
+        try:
+            self.hop.write(self.peers[node], k % self.ring, k, self._nbytes[k])
+        except ReceiverCallError as e:
+            self._drop(node, e)
+            return
+        self._count(self._nbytes[k])
+
+    def _count(self, nbytes: int) -> None:
+        with self._lock:
+            self.egress_bytes += nbytes
+
+    def _drop(self, node: int, error: Exception) -> None:
+        with self._lock:
+            if self.peers[node].error is not None:
+                return
+        self.hop.drop(self.peers[node], error)
+
+    def _each(self, fn, nodes: list[int]) -> None:
+        """fn(node) for every node, in parallel; the first error that ends the update is raised."""
+        if len(nodes) <= 1:
+            for n in nodes:
+                fn(n)
+            return
+        for f in [self.pool.submit(fn, n) for n in nodes]:
+            f.result()
+
+    @staticmethod
+    def pool_size(receivers: int, ring: int) -> int:
+        """Threads enough that no task waits for a thread held by a task that waits on it: per
+        bucket in flight, its own task plus a send and a visit per receiver."""
+        return ring * (2 * receivers + 1) + 2
