@@ -567,3 +567,89 @@ def test_a_relay_push_gives_every_server_what_a_star_push_does(fresh_server, new
         assert all(version(u) == v for u in urls)
     assert [live_digest(u) for u in urls] == after_star
 
+
+
+class _Slots:
+    """The receiver side of the fan-out as the scheduler sees it: slots that remember which bucket
+    was written into them, an apply that checks its slot holds that bucket and forwards it, each
+    after a random delay. In-process so thousands of interleavings run in seconds; the real
+    receivers are in the relay test above."""
+
+    def __init__(self, n, num_slots, seed, fail_at=None):
+        import random
+        self.rng, self.lock = random.Random(seed), threading.Lock()
+        self.slot = [[None] * num_slots for _ in range(n)]
+        self.got = [[] for _ in range(n)]
+        self.fail_at = fail_at                       # (node, bucket): that apply fails (a dead relay)
+
+    def nap(self):
+        with self.lock:                              # now and then a slow one, so later buckets overtake
+            s = self.rng.random() * 0.003 if self.rng.random() > 0.1 else 0.02
+        time.sleep(s)
+
+    def peer(self, i, num_slots):
+        from types import SimpleNamespace
+        from weight_sync.clients import ReceiverCallError
+        from weight_sync.protocol import ApplyReply
+        slots = self
+
+        class Client:
+            name = f"r{i}"
+
+            def apply(self, req):
+                slots.nap()
+                if slots.fail_at == (i, req.bucket):
+                    raise ReceiverCallError(self.name, "connection reset")
+                assert slots.slot[i][req.slot] == req.bucket, f"r{i} slot {req.slot} was overwritten"
+                slots.got[i].append(req.bucket)
+                for t in req.forward:
+                    slots.nap()
+                    slots.slot[int(t.session)][t.addr] = req.bucket
+                return ApplyReply()
+        reply = SimpleNamespace(session=str(i), slot_addrs=list(range(num_slots)))
+        return SimpleNamespace(client=Client(), reply=reply, error=None, name=f"r{i}")
+
+
+@pytest.mark.parametrize("topology", ["star", "chain", "tree"])
+def test_fanout_never_deadlocks_and_delivers_every_bucket_once(topology):
+    """Buckets k and k + num_slots share a receiver slot while the trainer's ring holds more buckets
+    than that: whatever order their writes interleave in, every bucket reaches every live receiver
+    exactly once, in its slot's turn, also when a relay dies mid-push and its children move up."""
+    from concurrent.futures import ThreadPoolExecutor
+    from weight_sync.fanout import Fanout, Hop, tree_parents
+    from weight_sync.protocol import UpdateRef
+    n, num_slots, ring, buckets = 5, 2, 3, 30
+    for seed in range(20):
+        fail_at = (1, 7) if seed % 2 else None        # r1 relays to r3, r4 in a tree (r2 in a chain)
+        slots = _Slots(n, num_slots, seed, fail_at)
+        peers = [slots.peer(i, num_slots) for i in range(n)]
+
+        def write(peer, local, k, nbytes):
+            slots.nap()
+            slots.slot[int(peer.reply.session)][k % num_slots] = k
+
+        def drop(peer, error):
+            peer.error = str(error)
+        hop = Hop(write, drop, timeout_s=5, max_retries=0)
+        with ThreadPoolExecutor(Fanout.pool_size(n, ring)) as pool:
+            fan = Fanout(peers, tree_parents(n, topology, 2), num_slots, ring, UpdateRef(version=1, update_id="u"),
+                         hop, pool)
+
+            def push():
+                moving = []
+                for k in range(buckets):
+                    fan.take_local(k)
+                    moving.append(pool.submit(fan.bucket, k, 1, "d"))
+                for f in moving:
+                    f.result()
+            pusher = threading.Thread(target=push, daemon=True)
+            pusher.start()
+            pusher.join(60)
+            stuck = pusher.is_alive()
+            if stuck:
+                fan.failed = RuntimeError("stuck")       # every wait gives up, so the pool can close
+        assert not stuck, f"{topology}, seed {seed}: the fan-out deadlocked"
+        for i, p in enumerate(peers):
+            if p.error is None:
+                assert sorted(slots.got[i]) == list(range(buckets)), (topology, seed, i)
+        assert (peers[1].error is not None) == (fail_at is not None)

@@ -8,8 +8,9 @@ fan-out 1. Every hop checks the digest of what it copied.
 
 Pipelined: bucket k moves down the tree while k+1 follows it. Slot j of a receiver holds bucket k
 from the moment k is written into it until its subtree has verified k; the trainer's local slot
-holds k until the whole tree has. Slots are taken top down, so no two buckets wait on each other in
-a cycle.
+holds k until the whole tree has. A receiver's slot j goes to buckets j, j + n, j + 2n, ... in that
+order (`Turns`), so bucket k waits only on bucket k - n, never on a later one: no two buckets wait on
+each other in a cycle, however their writes to sibling receivers interleave.
 
 Failures: a bucket whose digest fails at a receiver is written into it again by the trainer (its
 local slot still holds the bucket) and retried. A receiver that fails (timed out, unreachable,
@@ -55,12 +56,49 @@ class Hop:
     max_retries: int
 
 
+class Turns:
+    """Slot k % n of every receiver, handed to bucket k only once bucket k - n is done with it there.
+    A bucket that took a slot and must be sent again from elsewhere (its relay failed) puts it back
+    untouched; `done` moves the slot on to bucket k + n."""
+
+    def __init__(self, receivers: int, n: int):
+        self.n = n
+        self._next = [list(range(n)) for _ in range(receivers)]
+        self._held = [[False] * n for _ in range(receivers)]
+        self._cv = threading.Condition()
+
+    def take(self, node: int, k: int, give_up: Callable[[], bool]) -> bool:
+        """Wait for the turn of bucket k at node's slot; False when `give_up()` says to stop waiting."""
+        j = k % self.n
+        with self._cv:
+            while self._held[node][j] or self._next[node][j] < k:
+                if give_up():
+                    return False
+                self._cv.wait(0.05)
+            if self._next[node][j] > k:          # through node already: nothing to take
+                return False
+            self._held[node][j] = True
+            return True
+
+    def give(self, node: int, k: int, done: bool) -> None:
+        j = k % self.n
+        with self._cv:
+            self._held[node][j] = False
+            if done:
+                self._next[node][j] = k + self.n
+            self._cv.notify_all()
+
+    def has(self, node: int, k: int) -> bool:
+        """Bucket k is through node already."""
+        return self._next[node][k % self.n] > k
+
+
 class Fanout:
     def __init__(self, peers: list, parent: list[int], num_slots: int, ring: int, ref: UpdateRef, hop: Hop,
                  pool: ThreadPoolExecutor):
         self.peers, self.parent, self.ref, self.hop, self.pool = peers, parent, ref, hop, pool
         self.num_slots, self.ring = num_slots, ring
-        self.slots = [[threading.Semaphore(1) for _ in range(num_slots)] for _ in peers]
+        self.turns = Turns(len(peers), num_slots)
         self.local = [threading.Semaphore(1) for _ in range(ring)]
         self._nbytes: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -105,36 +143,47 @@ class Fanout:
             if self.failed is not None:
                 raise self.failed
 
+    def _take(self, node: int, k: int) -> bool:
+        """Node's slot for bucket k; False when node was dropped while waiting (or has k already)."""
+        if not self.turns.take(node, k, lambda: self.failed is not None or self.peers[node].error is not None):
+            if self.failed is not None:
+                raise self.failed
+            return False
+        return True
+
     # ---- one bucket down the tree ------------------------------------------------------------------
     def _serve(self, node: int, k: int, digest: str, sent: list[int]) -> None:
         """`node` holds bucket k verified (the trainer: in its ring) and wrote it already into `sent`.
         Every child of node gets it, verifies it and serves its own children; a child dropped on the
         way leaves its children to node, served in the next round."""
         served: set[int] = set()
-        while kids := [c for c in self.children(node) if c not in served]:
+        while kids := [c for c in dict.fromkeys(sent + self.children(node))
+                       if c not in served and self.peers[c].error is None and not self.turns.has(c, k)]:
             served.update(kids)
             self._each(lambda c: self._send(c, k), [c for c in kids if c not in sent])
             sent = []
-            self._each(lambda c: self._visit(c, k, digest), [c for c in kids if self.peers[c].error is None])
+            self._each(lambda c: self._visit(c, k, digest),
+                       [c for c in kids if self.peers[c].error is None and not self.turns.has(c, k)])
 
     def _visit(self, node: int, k: int, digest: str) -> None:
         """Bucket k has been written into node's slot: verify it there, write it on to node's
         children, let them do the same. Node's slot stays held until its subtree has the bucket."""
-        j = k % self.num_slots
+        unwritten, done = [], False
         try:
-            kids = self.children(node)
-            for c in kids:
-                self._acquire(self.slots[c][j])
+            kids = unwritten = [c for c in self.children(node) if self._take(c, k)]
             try:
                 failed = self._apply(node, k, digest, kids)
             except ReceiverCallError as e:
                 self._drop(node, e)         # its children are its parent's now: served there
                 return
+            unwritten, done = [], True      # written: each kid's own visit hands its slot on
             for i, error in failed.items():
                 self._drop(kids[i], ReceiverCallError(self.peers[kids[i]].name, f"relay write failed: {error}"))
             self._serve(node, k, digest, sent=[c for i, c in enumerate(kids) if i not in failed])
         finally:
-            self.slots[node][j].release()
+            for c in unwritten:             # the slot waits for bucket k from elsewhere
+                self.turns.give(c, k, done=False)
+            self.turns.give(node, k, done=done)
 
     def _apply(self, node: int, k: int, digest: str, kids: list[int]) -> dict[int, str]:
         """Bucket k at node, forwarded to `kids`; a digest mismatch is written again from the
@@ -164,10 +213,12 @@ class Fanout:
     def _send(self, node: int, k: int) -> None:
         """The trainer writes bucket k into node's slot (once the slot is free); node is dropped
         when that fails."""
-        self._acquire(self.slots[node][k % self.num_slots])
+        if not self._take(node, k):
+            return
         try:
             self.hop.write(self.peers[node], k % self.ring, k, self._nbytes[k])
         except ReceiverCallError as e:
+            self.turns.give(node, k, done=False)
             self._drop(node, e)
             return
         self._count(self._nbytes[k])

@@ -274,16 +274,20 @@ class WeightSync:
             fan = Fanout(peers, tree_parents(len(peers), self.topology, self.fan_out), self.num_slots, ring, ref, hop,
                          pool)
             moving: list[Future] = []
-            for k, bucket in enumerate(plan):
-                fan.take_local(k)
+            try:
+                for k, bucket in enumerate(plan):
+                    fan.take_local(k)
+                    for f in moving:
+                        if f.done():
+                            f.result()       # an update that cannot go on stops here
+                    pack_s, dig = self._pack(bucket, sources, k % ring)
+                    stats.pack_s += pack_s
+                    moving.append(pool.submit(fan.bucket, k, bucket.nbytes, dig))
                 for f in moving:
-                    if f.done():
-                        f.result()           # an update that cannot go on stops here
-                pack_s, dig = self._pack(bucket, sources, k % ring)
-                stats.pack_s += pack_s
-                moving.append(pool.submit(fan.bucket, k, bucket.nbytes, dig))
-            for f in moving:
-                f.result()
+                    f.result()
+            except BaseException as e:       # buckets still moving give up, so the pool can close
+                fan.failed = fan.failed or e
+                raise
         stats.transfer_s = time.perf_counter() - t
         stats.apply_s, stats.retries, stats.egress_bytes = fan.apply_s, fan.retries, fan.egress_bytes
 
