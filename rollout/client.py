@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 
 
 class ServerError(RuntimeError):
@@ -45,37 +45,51 @@ class Generation:
 
 
 class ServerClient:
+    """aiohttp, not httpx: with 64 requests in flight, httpcore's pool spent ~70% of the rollout
+    process's CPU matching requests to connections (py-spy, bench/e2e.py); aiohttp's does not."""
+
     def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None, connect_retries: int = 2,
                  max_connections: int = 128):
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, connect=5.0),
-                                       # a bounded pool: httpcore scans every pooled connection per request;
-                                       # keep-alive shorter than the server's, so it never closes one under us
-                                       limits=httpx.Limits(max_connections=max_connections,
-                                                           max_keepalive_connections=max_connections,
-                                                           keepalive_expiry=30.0))
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s, self.max_connections = timeout_s, max_connections
         self.connect_retries = connect_retries
+        self._session: aiohttp.ClientSession | None = None     # made on first use, on the running loop
 
-    async def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # keep-alive shorter than the server's (75 s), so it never closes a connection under us
+            self._session = aiohttp.ClientSession(
+                self.url, headers=self._headers, timeout=aiohttp.ClientTimeout(total=self.timeout_s, connect=5.0),
+                connector=aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=30.0))
+        return self._session
+
+    async def _request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+        """(status, JSON body or text) of one call; ServerError when it got no answer."""
+        kw = {"timeout": aiohttp.ClientTimeout(total=timeout, connect=min(5.0, timeout))} if timeout else {}
         for attempt in range(self.connect_retries + 1):
             try:
-                kw = {"timeout": timeout} if timeout is not None else {}
-                r = await self._http.post(path, json=body, **kw)
-                break
-            except httpx.ConnectError as e:      # never reached the server: safe to try again
+                async with self._http().request(method, path, json=body, **kw) as r:
+                    if r.content_type == "application/json":
+                        return r.status, await r.json()
+                    return r.status, await r.text()
+            except aiohttp.ClientConnectorError as e:      # never reached the server: safe to try again
                 if attempt == self.connect_retries:
                     raise ServerError(self.url, f"{path}: cannot connect ({e})") from None
                 await asyncio.sleep(0.2 * 2 ** attempt)
-            except httpx.HTTPError as e:
+            except asyncio.TimeoutError:
+                raise ServerError(self.url, f"{path}: timed out after {timeout or self.timeout_s}s") from None
+            except aiohttp.ClientError as e:
                 raise ServerError(self.url, f"{path}: {type(e).__name__}: {e}") from None
-        if r.status_code >= 500:
-            raise ServerError(self.url, f"{path} answered {r.status_code}: {r.text[:300]}")
-        if r.status_code >= 400:
-            field = r.json().get("field") if r.headers.get("content-type", "").startswith("application/json") else None
-            raise RequestRefused(self.url, f"{path} refused the request ({r.status_code}): {r.text[:300]}", field)
-        return r.json()
+
+    async def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
+        status, out = await self._request("POST", path, body, timeout)
+        if status >= 500:
+            raise ServerError(self.url, f"{path} answered {status}: {str(out)[:300]}")
+        if status >= 400:
+            field = out.get("field") if isinstance(out, dict) else None
+            raise RequestRefused(self.url, f"{path} refused the request ({status}): {str(out)[:300]}", field)
+        return out
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
                        fallback_version: int = -1) -> Generation:
@@ -104,13 +118,10 @@ class ServerClient:
             await asyncio.gather(*(self._post("/abort_request", {"rid": r}, timeout=10) for r in rids))
 
     async def get(self, path: str, timeout: float = 10) -> dict:
-        try:
-            r = await self._http.get(path, timeout=timeout)
-        except httpx.HTTPError as e:
-            raise ServerError(self.url, f"{path}: {type(e).__name__}: {e}") from None
-        if r.status_code != 200:
-            raise ServerError(self.url, f"{path} answered {r.status_code}")
-        return r.json()
+        status, out = await self._request("GET", path, timeout=timeout)
+        if status != 200:
+            raise ServerError(self.url, f"{path} answered {status}")
+        return out
 
     async def healthy(self) -> bool:
         try:
@@ -129,4 +140,6 @@ class ServerClient:
             return False
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -23,9 +23,10 @@ class RolloutMetrics:
     groups_failed: int = 0         # groups whose requests or reward failed (each retried, or dropped)
     last_error: str = ""           # what the last failed group failed with
     requests_doomed: int = 0       # in-flight requests stopped early: their group already broke the bound
+    tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
 
     def snapshot(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "drops"}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("drops", "tokens_by_server")}
         d["drops"] = dict(self.drops)
         return d
 
@@ -36,12 +37,15 @@ class BatchReport:
     def __init__(self, metrics: RolloutMetrics):
         self.metrics = metrics
         self._last = (time.monotonic(), 0, 0)   # time, samples finished, tokens generated
+        self._last_by_server: collections.Counter = collections.Counter()
 
     def __call__(self, groups: list[Group], trainer_version: int, wait_s: float, gauges: dict) -> dict:
         now, m = time.monotonic(), self.metrics
         t_prev, samples_prev, tokens_prev = self._last
         dt = max(now - t_prev, 1e-9)
         self._last = (now, m.samples_finished, m.tokens_generated)
+        by_server = {url: (n - self._last_by_server[url]) / dt for url, n in m.tokens_by_server.items()}
+        self._last_by_server = collections.Counter(m.tokens_by_server)
         samples = [s for g in groups for s in g.samples]
         staleness = collections.Counter(s.staleness(trainer_version) for s in samples)
         return {
@@ -49,6 +53,7 @@ class BatchReport:
             "wait_s": wait_s,
             "samples_per_s": (m.samples_finished - samples_prev) / dt,
             "tokens_per_s": (m.tokens_generated - tokens_prev) / dt,
+            "tokens_per_s_by_server": by_server,
             **gauges,
             "staleness_hist": dict(sorted(staleness.items())),
             "max_staleness": max(staleness),

@@ -78,6 +78,7 @@ class Requests:
             finally:
                 del self.inflight[rid]
         self._observe_rate(len(gen.output_ids), time.monotonic() - started)
+        self.metrics.tokens_by_server[client.url] += len(gen.output_ids)
         return gen, client
 
     def priority(self, sample: Sample) -> tuple:

@@ -1,4 +1,5 @@
-"""Rollout data: a Sample per trajectory, a Group of n per prompt, a padded training Batch."""
+"""Rollout data: a Sample per trajectory, a Group of n per prompt. No torch here: the rollout process
+imports only plain Python (trainer_bridge.batch pads groups into tensors, on the trainer's side)."""
 from __future__ import annotations
 
 import enum
@@ -6,7 +7,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 
 class SampleStatus(str, enum.Enum):
@@ -123,36 +123,3 @@ class Group:
 
     def staleness(self, trainer_version: int) -> int:
         return max(s.staleness(trainer_version) for s in self.samples)
-
-
-@dataclass
-class Batch:
-    """Groups as padded tensors, right-padded, prompt then response. Shapes: [batch, seq_len]."""
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    loss_mask: torch.Tensor           # 1 on response tokens the model generated
-    behaviour_logprobs: torch.Tensor  # the server's logprob of each token given what precedes it (0 elsewhere)
-    versions: torch.Tensor            # weight version per token (-1 on prompt and environment tokens)
-    rewards: torch.Tensor             # [batch]
-    group_index: torch.Tensor         # [batch]: which group a row belongs to
-    samples: list[Sample]
-
-    @classmethod
-    def from_groups(cls, groups: list[Group], pad_id: int) -> "Batch":
-        samples = [s for g in groups for s in g.samples]
-        length = max(len(s.input_ids) for s in samples)
-        shape = (len(samples), length)
-        input_ids = torch.full(shape, pad_id, dtype=torch.long)
-        attention, loss_mask = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.float32)
-        logprobs, versions = torch.zeros(shape, dtype=torch.float32), torch.full(shape, -1, dtype=torch.long)
-        for row, s in enumerate(samples):
-            p, n = len(s.prompt_ids), len(s.input_ids)
-            input_ids[row, :n] = torch.tensor(s.input_ids)
-            attention[row, :n] = 1
-            if s.response_ids:
-                loss_mask[row, p:n] = torch.tensor(s.loss_mask, dtype=torch.float32)
-                logprobs[row, p:n] = torch.tensor(s.logprobs)
-                versions[row, p:n] = torch.tensor(s.versions)
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        group_index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g.samples])
-        return cls(input_ids, attention, loss_mask, logprobs, versions, rewards, group_index, samples)

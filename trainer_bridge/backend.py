@@ -36,26 +36,13 @@ import torch
 from rollout.agent import RolloutFn, single_turn
 from rollout.config import RolloutConfig
 from rollout.service import LocalRollout, RolloutSpec, ThreadRollout
-from rollout.types import Batch
 from trainer_bridge import grpo
+from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig
 from trainer_bridge.fleet import LocalFleet
 from trainer_bridge.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainBatch(Batch):
-    """What `next_batch` hands a trainer: the padded groups (Batch; per-token tensors [batch, seq]),
-    their GRPO advantages [batch] and the rollout's metrics for this batch."""
-    advantages: torch.Tensor = None
-    metrics: dict = field(default_factory=dict)
-
-    def rows(self, rows: slice) -> "TrainBatch":
-        """A micro-batch: the same fields for rows `rows` (metrics shared)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
-                                            if f.name != "metrics"})
 
 
 @dataclass
@@ -111,6 +98,7 @@ class RolloutBackend:
         """Start (or connect to) servers, weight sync and the manager. With `model`, its weights are
         pushed as `version` before the first rollout; without, the servers serve `model_path`."""
         from weight_sync.sender import WeightSync
+        self.rollout = self._host()              # a rollout process starts while the servers do
         self.fleet = self._make_fleet()
         first = version - 1 if model is not None else version
         self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first)
@@ -122,7 +110,7 @@ class RolloutBackend:
         if model is not None:
             self._push(model, version)
         self.version = version
-        self.rollout = self._host(RolloutSpec(
+        self.rollout.start(RolloutSpec(
             self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
             self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version))
         self.rollout.call("start")
@@ -267,22 +255,21 @@ class RolloutBackend:
             return RayFleet(c.model_path, c.server, c.weight_sync, c.cluster, c.seed)
         return LocalFleet(c.model_path, c.server, c.weight_sync, c.seed, c.log_dir)
 
-    def _host(self, spec: RolloutSpec):
+    def _host(self):
+        """Where the rollout manager runs: a process of its own (a Ray actor under cluster=ray), or
+        a thread here when asked, or when the rollout function lives in __main__ (no other process
+        can import it)."""
         kind = self.cfg.cluster
-        if kind.rollout_process and getattr(spec.rollout_fn, "__module__", None) == "__main__":
+        if kind.rollout_process and getattr(self.rollout_fn, "__module__", None) == "__main__":
             log.warning("the rollout function %s is defined in __main__, which another process cannot import: "
                         "the rollout manager runs in a thread of this process instead (move it to a module)",
-                        spec.rollout_fn.__name__)
-        elif kind.rollout_process:
-            return self._process_host(spec)
-        return ThreadRollout(spec)
-
-    def _process_host(self, spec: RolloutSpec):
-        kind = self.cfg.cluster
-        if kind.kind == "ray":
+                        self.rollout_fn.__name__)
+        elif kind.rollout_process and kind.kind == "ray":
             from trainer_bridge.ray_fleet import RayRollout
-            return RayRollout(spec)
-        return LocalRollout(spec)
+            return RayRollout()
+        elif kind.rollout_process:
+            return LocalRollout()
+        return ThreadRollout()
 
     def __enter__(self) -> "RolloutBackend":
         return self

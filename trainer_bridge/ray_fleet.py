@@ -69,12 +69,12 @@ class RolloutActor:
 class RayRollout:
     """The trainer's side of the rollout actor: the same blocking call() as LocalRollout."""
 
-    def __init__(self, spec: RolloutSpec, start_timeout_s: float = 120.0):
+    def start(self, spec: RolloutSpec, timeout_s: float = 120.0) -> None:
         # on the trainer's node: it must not go down with a server's node
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.actor = ray.remote(num_cpus=0, max_concurrency=8)(RolloutActor).options(
             scheduling_strategy=here).remote(spec)
-        self.call("ping", timeout_s=start_timeout_s)
+        self.call("ping", timeout_s=timeout_s)
 
     def call(self, method: str, *args, timeout_s: float | None = None):
         try:
@@ -85,6 +85,8 @@ class RayRollout:
             raise RuntimeError(str(e.cause) if e.cause is not None else str(e)) from None
 
     def close(self, timeout_s: float = 120.0) -> None:
+        if not hasattr(self, "actor"):
+            return
         try:
             self.call("close", timeout_s=timeout_s)
         except (RuntimeError, TimeoutError, ray.exceptions.RayError) as e:

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from rollout.config import UpdatePolicy
-from trainer_bridge.backend import BackendConfig, RolloutBackend, TrainBatch
+from trainer_bridge.backend import BackendConfig, RolloutBackend
+from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig
 from trainer_bridge.monitor import Monitor
 from trainer_bridge.trainer import GRPOTrainer
@@ -52,7 +53,10 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "time/wait_for_data_s": seconds["wait"], "time/train_s": seconds["train"],
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
-           "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"]}
+           "sync/egress_bytes": sync.egress_bytes,
+           "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
+           **{k: v for k, v in r.items() if k.startswith("fleet/")},
+           **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r["tokens_per_s_by_server"].items()}}
     out.update({f"train/{k}": v for k, v in train.items()})
     return out
 

@@ -16,7 +16,7 @@ import torch
 
 from inference_server.device import choose_device
 from trainer_bridge import grpo
-from trainer_bridge.backend import TrainBatch
+from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig
 
 
