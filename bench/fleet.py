@@ -113,15 +113,18 @@ def death(cfg, model) -> dict:
     seen = []
     with RolloutBackend(cfg) as b:
         b.start(model)
-        seen += b.next_batch(timeout_s=300).samples
+
+        def step():                              # what a trainer does: a batch, then a new version
+            seen.extend(b.next_batch(timeout_s=300).samples)
+            b.push_weights(model, version=b.version + 1)
+        step()
         victim = b.servers[0]
         os.kill(b.fleet.pid(victim), signal.SIGKILL)
         log(f"killed {victim} mid-rollout")
-        seen += b.next_batch(timeout_s=300).samples
-        b.push_weights(model, version=1)
         deadline = time.monotonic() + 300
         while b.stats.replacements < 1 and time.monotonic() < deadline:
-            seen += b.next_batch(timeout_s=300).samples
+            step()                               # the eviction, then the replacement joining, happen here
+        step()                                   # the replacement takes requests
         state = b.state_dict()
         replace_s = b.stats.last_replace_s if b.stats.replacements else None
     started = state["data"]["cursor"] + state["data"]["epoch"] * len(b.items)

@@ -51,12 +51,18 @@ class ServerProcess:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 120.0) -> "ServerProcess":
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    def spawn(self) -> "ServerProcess":
+        """Start the process without waiting for it to serve (`wait_ready`): servers started
+        together load their models side by side."""
         cmd = [sys.executable, "-m", "inference_server", "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()), *self.args]
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(self.env or {})}, start_new_session=True)
-        self.wait_ready(timeout)
         return self
 
     def wait_ready(self, timeout: float) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
@@ -63,10 +64,11 @@ class LocalFleet:
                  for _ in range(n)]
         try:
             for p in procs:
-                p.start(timeout=self.server.start_timeout_s)
-        except BaseException:
+                p.spawn()
             for p in procs:
-                p.stop()
+                p.wait_ready(self.server.start_timeout_s)
+        except BaseException:
+            _stop_all(procs)
             raise
         self.procs.update({p.url: p for p in procs})
         return [p.url for p in procs]
@@ -80,6 +82,15 @@ class LocalFleet:
         return self.procs[url].proc.pid
 
     def close(self) -> None:
-        for p in list(self.procs.values()):
-            p.stop()
+        _stop_all(list(self.procs.values()))
         self.procs.clear()
+
+
+def _stop_all(procs: list[ServerProcess]) -> None:
+    """Stop them side by side: each takes up to its drain time."""
+    if len(procs) <= 1:
+        for p in procs:
+            p.stop()
+        return
+    with ThreadPoolExecutor(len(procs)) as pool:
+        list(pool.map(lambda p: p.stop(), procs))
