@@ -1,6 +1,6 @@
 """End to end: the same GRPO job, synchronous vs asynchronous, same steps, same seed.
 
-    python bench/e2e.py [--steps 30] [--num-digits 8] [--max-new-tokens 10] [--hidden 384 --layers 4]
+    python bench/e2e.py [--steps 60] [--num-digits 8] [--max-new-tokens 32] [--batch-size 2] [--hidden 384 --layers 4]
                         [--oversample 2] [--threads 1] [--override trainer.lr=1e-3 ...]
 
 sync:  mode=sync (the manager with oversample=1, max_staleness=0): generate a batch, wait, train,
@@ -10,13 +10,20 @@ async: mode=async: oversampling + partial rollout (update_policy abort_furthest,
 
 The job is composed from configs/ with Hydra's compose API (so the YAML defaults apply), then
 overridden. Workload, chosen so generation and training weigh about the same (async can only hide
-the smaller of the two): the copy task with 8-digit answers and max_new_tokens 10 (ten sequential
-decode steps per request instead of the default four), on a tiny char model of hidden 384 x 4
-layers (default 128 x 2: there generation takes ~10x the train step, so overlap could hide at most
-~10%). The model is built once into a temp dir, its own path, shared by both runs. The trainer and
-the server get one torch thread each (--threads 1): on a 2-core box that gives each its own core,
-as each has its own device on a real cluster; with torch's default both would oversubscribe both
-cores and the overlap would mostly measure contention.
+the smaller of the two): the copy task with 8-digit answers, max_new_tokens 32 and 2 groups of 8 a
+batch, on a tiny char model of hidden 384 x 4 layers (default 128 x 2: there generation takes ~10x
+the train step, so overlap could hide at most ~10%). A train step costs about its rows x tokens; a
+batch's generation about its decode steps (16 rows decode nearly as fast as 64). Until the rollout
+manager left the trainer's process the workload was 8 groups and 10 new tokens; the server has got
+faster since, which left generation at ~0.42 s against training's ~0.73 s a step (overlap could
+then hide at most ~35%); fewer, longer samples put them back level (~0.30 s against ~0.36 s).
+60 steps by default (was 30): both runs pay ~7 s to start their server and rollout process and to
+stop them, which at 30 steps is a fifth of the async run; a real job runs hundreds of steps. The
+JSON's *_steps_seconds (the step loop alone) give the ratio without that cost. The model is built
+once into a temp dir, its own path, shared by both runs. The trainer and the server get one torch
+thread each (--threads 1): on a 2-core box that gives each its own core, as each has its own device
+on a real cluster; with torch's default both would oversubscribe both cores and the overlap would
+mostly measure contention.
 
 The last line printed is one JSON object: sync_seconds, async_seconds, speedup (sync/async),
 sync_final_reward, async_final_reward (mean reward of the last 10% of steps), max_staleness_seen
@@ -86,7 +93,7 @@ def run_one(mode: str, args, root: Path, model_path: Path) -> tuple[dict, list[d
         f"mode={mode}", f"seed={args.seed}", f"run_dir={run_dir}",
         f"model.path={model_path}", f"model.hidden={args.hidden}", f"model.layers={args.layers}",
         f"task.name={args.task}", f"task.num_digits={args.num_digits}",
-        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.batch_size}",
         f"rollout.oversample={args.oversample}", f"rollout.max_staleness={args.max_staleness}",
         f"rollout.update_policy={args.update_policy}",
         f"trainer.steps={args.steps}", f"trainer.seed={args.seed}",
@@ -102,12 +109,13 @@ def run_one(mode: str, args, root: Path, model_path: Path) -> tuple[dict, list[d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--task", default="copy")
     p.add_argument("--hidden", type=int, default=384, help="tiny model hidden size (configs/: 128)")
     p.add_argument("--layers", type=int, default=4, help="tiny model layers (configs/: 2)")
     p.add_argument("--num-digits", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=2, help="groups a step (configs/: 8)")
     p.add_argument("--oversample", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--update-policy", default="abort_furthest")
@@ -154,11 +162,12 @@ def main() -> None:
         "sync_first_reward": rs["first_reward"], "async_first_reward": ra["first_reward"],
         "sync_wall_seconds": round(ws, 2), "async_wall_seconds": round(wa, 2),
         "sync_steps_seconds": round(steps_seconds(ms), 2), "async_steps_seconds": round(steps_seconds(ma), 2),
+        "steps_speedup": round(steps_seconds(ms) / steps_seconds(ma), 3) if steps_seconds(ma) else None,
         "sync_phase_mean_s": phase_means(ms), "async_phase_mean_s": phase_means(ma),
         "sync_drops": ms[-1].get("drops", {}) if ms else {},
         "async_drops": ma[-1].get("drops", {}) if ma else {},
         "params": {"steps": args.steps, "task": args.task, "num_digits": args.num_digits, "hidden": args.hidden, "layers": args.layers,
-                   "max_new_tokens": args.max_new_tokens, "oversample": args.oversample,
+                   "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "oversample": args.oversample,
                    "max_staleness": args.max_staleness, "update_policy": args.update_policy, "seed": args.seed,
                    "order": args.order, "threads": args.threads, "overrides": args.override, "cpus": os.cpu_count()},
     }
