@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +46,6 @@ class RolloutSpec:
     state: dict | None = None            # a manager state_dict to resume from
     trainer_version: int = 0
     log_level: int = logging.WARNING
-    extra: dict = field(default_factory=dict)
 
 
 def load_tokenizer(path: str):

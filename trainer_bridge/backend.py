@@ -68,7 +68,6 @@ def task_items(task: TaskConfig, seed: int) -> list[dict]:
 
 @dataclass
 class FleetStats:
-    servers: int = 0
     evictions: int = 0
     replacements: int = 0
     last_replace_s: float = 0.0          # from an eviction to its replacement taking requests
@@ -114,7 +113,6 @@ class RolloutBackend:
             self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
             self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version))
         self.rollout.call("start")
-        self.stats.servers = len(self.servers)
 
     def next_batch(self, timeout_s: float | None = None) -> TrainBatch:
         """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics."""
@@ -132,7 +130,7 @@ class RolloutBackend:
         self._admit()
         stats = self._push(model, version)
         self.version = version
-        for url in list(stats.dropped) + [u for u in stats.pending if u in stats.dropped or self._dead(u)]:
+        for url in list(stats.dropped) + [u for u in stats.pending if self._dead(u)]:
             if url in self.servers:
                 self._evict(url, replace=self.cfg.cluster.replace_evicted)
         self.rollout.call("on_weights_updated", version)
@@ -201,7 +199,6 @@ class RolloutBackend:
         self.rollout.call("remove_server", url)
         self.fleet.stop(url)
         self.stats.evictions += 1
-        self.stats.servers = len(self.servers)
         if replace and self.servers:
             since = time.monotonic()
             worker = threading.Thread(target=self._replace, args=(since,), name="fleet-replace", daemon=True)
@@ -232,7 +229,6 @@ class RolloutBackend:
                 self.servers.append(url)
                 self.stats.replacements += 1
                 self.stats.last_replace_s = time.monotonic() - since
-                self.stats.servers = len(self.servers)
                 log.info("%s joined the fleet at version %d", url, self.version)
 
     def _version_of(self, url: str) -> int | None:

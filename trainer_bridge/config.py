@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.config import RolloutConfig
+from weight_sync.fanout import tree_parents
 
 
 def f(default, help: str, **kw):
@@ -68,10 +69,7 @@ class WeightSyncConfig:
             raise ValueError(f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'")
         if self.bucket_mb < 1:
             raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1")
-        if self.topology not in ("star", "chain", "tree"):
-            raise ValueError(f"weight_sync.topology={self.topology!r}: use star, chain or tree")
-        if self.fan_out < 1:
-            raise ValueError(f"weight_sync.fan_out={self.fan_out}: must be >= 1")
+        tree_parents(1, self.topology, self.fan_out)     # names a bad topology or fan_out
         if not 0.0 <= self.min_fraction <= 1.0:
             raise ValueError(f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]")
         if self.timeout_s <= 0:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import httpx
 
-from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind, ForwardRequest,
-                                  OpenReply, OpenRequest, PrepareRequest, UpdateRef)
+from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind, OpenReply,
+                                  OpenRequest, PrepareRequest, UpdateRef)
 
 
 class ReceiverCallError(RuntimeError):
@@ -45,10 +45,6 @@ class HttpReceiverClient:
         # a relaying receiver also waits on its own writes onward (each bounded by forward_timeout_s)
         extra = req.forward_timeout_s * len(req.forward)
         return ApplyReply.model_validate(self._call("POST", "apply", req, self._http.timeout.read + extra))
-
-    def forward(self, req: ForwardRequest) -> ApplyReply:
-        extra = req.forward_timeout_s * len(req.forward)
-        return ApplyReply.model_validate(self._call("POST", "forward", req, self._http.timeout.read + extra))
 
     def prepare(self, req: PrepareRequest) -> None:
         self._call("POST", "prepare", req)
@@ -93,9 +89,6 @@ class LocalReceiverClient:
 
     def apply(self, req: ApplyRequest) -> ApplyReply:
         return self._call(self.receiver.apply, req)
-
-    def forward(self, req: ForwardRequest) -> ApplyReply:
-        return self._call(self.receiver.forward, req)
 
     def prepare(self, req: PrepareRequest) -> None:
         self._call(self.receiver.prepare, req)

@@ -58,14 +58,6 @@ class ApplyRequest(UpdateRef):
     forward_timeout_s: float = Field(default=30.0, gt=0)
 
 
-class ForwardRequest(UpdateRef):
-    """Write bucket `bucket`, verified and still in slot `slot`, into `forward` again (a retry)."""
-    bucket: int
-    slot: int
-    forward: list[Target]
-    forward_timeout_s: float = Field(default=30.0, gt=0)
-
-
 class ApplyReply(BaseModel):
     failed: dict[int, str] = {}        # index in `forward` -> why that write did not land
 

@@ -39,7 +39,7 @@ from typing import Callable, Protocol
 import torch
 
 from weight_sync.bucket import Bucket, TensorSpec, plan_buckets, unpack_verified
-from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind, ForwardRequest,
+from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind,
                                   InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
 
@@ -176,15 +176,6 @@ class Receiver:
                 update.stage = Stage.STAGED
             return self._forward(update, req)
 
-    def forward(self, req: ForwardRequest) -> ApplyReply:
-        """Write a bucket this receiver verified, still in its slot, on to other receivers again."""
-        with self._lock:
-            update = self._staging(req, req.bucket, req.slot)
-            if req.bucket not in update.applied:
-                raise ReceiverError(ErrorKind.STATE, f"bucket {req.bucket} of version {req.version} is not verified "
-                                                     f"here: nothing to forward")
-            return self._forward(update, req)
-
     def prepare(self, req: PrepareRequest) -> None:
         with self._lock:
             update = self._current(req)
@@ -280,7 +271,7 @@ class Receiver:
                                                  f"({len(update.plan)} buckets, {len(update.slots)} slots)")
         return update
 
-    def _forward(self, update: _Update, req: ApplyRequest | ForwardRequest) -> ApplyReply:
+    def _forward(self, update: _Update, req: ApplyRequest) -> ApplyReply:
         """The relay hop: this receiver's slot into each target's slot, with its own transport."""
         src, nbytes = update.slots[req.slot], update.plan[req.bucket].nbytes
         failed = {}

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from weight_sync import live_digest
-from weight_sync.protocol import (ApplyRequest, CommitRequest, ForwardRequest, OpenRequest, PrepareRequest,
+from weight_sync.protocol import (ApplyRequest, CommitRequest, OpenRequest, PrepareRequest,
                                   PushToRequest, UpdateRef)
 from weight_sync.receiver import Receiver, ReceiverError
 
@@ -52,10 +52,6 @@ def _protocol_routes(app: FastAPI, receiver: Receiver) -> None:
     @app.post(PREFIX + "apply")
     async def ws_apply(req: ApplyRequest):
         return (await asyncio.to_thread(receiver.apply, req)).model_dump()
-
-    @app.post(PREFIX + "forward")
-    async def ws_forward(req: ForwardRequest):
-        return (await asyncio.to_thread(receiver.forward, req)).model_dump()
 
     @app.post(PREFIX + "prepare")
     async def ws_prepare(req: PrepareRequest):

@@ -29,7 +29,7 @@ from typing import Iterable
 import torch
 
 from weight_sync import named_weights
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, digest, pack, plan_buckets
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.fanout import Fanout, Hop, tree_parents
 from weight_sync.protocol import CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, UpdateRef
