@@ -133,7 +133,7 @@ class ThreadRollout:
             fut.cancel()
             raise TimeoutError(f"the rollout loop did not answer {method} within {timeout_s}s") from None
 
-    def close(self, timeout_s: float = 120.0) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         try:
             if hasattr(self, "service"):
                 self.call("close", timeout_s=timeout_s)
@@ -184,7 +184,7 @@ class LocalRollout:
             raise RuntimeError(value)
         return value
 
-    def close(self, timeout_s: float = 120.0) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         if self._proc.poll() is None and self._started and not self._broken:
             try:
                 self.call("close", timeout_s=timeout_s)

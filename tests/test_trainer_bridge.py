@@ -131,7 +131,12 @@ def test_no_server_survives_an_interrupted_launch(tmp_path, sig, num_servers):
             argv = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0"))
             assert share in argv, argv
         proc.send_signal(sig)
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the launch did not exit within 120 s of {sig.name}; its stderr ends:\n"
+                        + proc.communicate()[1][-3000:])
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -84,7 +84,7 @@ class RayRollout:
         except ray.exceptions.RayTaskError as e:
             raise RuntimeError(str(e.cause) if e.cause is not None else str(e)) from None
 
-    def close(self, timeout_s: float = 120.0) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
         if not hasattr(self, "actor"):
             return
         try:
