@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,16 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
     return out
 
 
+STOP = threading.Event()      # set by the launcher's signal handler; the loop checks it between steps
+
+
+def stop_on_signal(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: stop now, and at the next step if the KeyboardInterrupt raised here is
+    lost (one that lands in a __del__ or a callback is printed and dropped)."""
+    STOP.set()
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(job: JobConfig) -> dict:
     job = job.validate()
     if job.mode == "sync":
@@ -88,6 +99,8 @@ def run(job: JobConfig) -> dict:
     try:
         backend.start(model, version=first_step)
         for step in range(first_step, job.trainer.steps):
+            if STOP.is_set():
+                raise KeyboardInterrupt("stop requested by a signal")
             t0 = time.perf_counter()
             batch = backend.next_batch()
             t1 = time.perf_counter()

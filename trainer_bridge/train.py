@@ -70,7 +70,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from trainer_bridge.run import run
+    from trainer_bridge.run import run, stop_on_signal
     logging.getLogger().setLevel(logging.WARNING)      # Hydra sets INFO: one line per HTTP request
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
@@ -78,14 +78,11 @@ def main(cfg: DictConfig) -> None:
     except ValueError as e:
         print(f"riptide-train: bad config: {e}", file=sys.stderr)
         sys.exit(2)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    for sig in (signal.SIGINT, signal.SIGTERM):          # SIGINT too: a launcher may have left it ignored
+        signal.signal(sig, stop_on_signal)
     result = run(job)
     print(f"wandb run: {result['wandb_dir'] or '(disabled)'}   plot: {result['plot']}")
     print(json.dumps(result))
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def cli() -> None:
