@@ -39,7 +39,7 @@ class RolloutConfig:
     ignore_eos: bool = False
     group_filter: str = "all_equal"     # all_equal (DAPO dynamic sampling) | none | module:function
     filter_patience: int = 0            # after this many filter drops for one batch, keep what it rejects (0: never)
-    use_chat_template: bool = False
+    use_chat_template: str = "auto"     # auto (when the tokenizer has a chat template) | true | false
     request_timeout_s: float = 600.0
     max_request_retries: int = 3        # moves of one request to another server after failures
     progress_timeout_s: float = 10.0    # a server with requests in flight that shows no progress for this
@@ -49,13 +49,23 @@ class RolloutConfig:
     seed: int = 0
 
     def validate(self) -> "RolloutConfig":
+        problems = self.problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def problems(self) -> list[str]:
+        """Every setting that is wrong, one message each (the enums are coerced on the way)."""
+        out = []
         for name, kind in (("update_policy", UpdatePolicy), ("stale_policy", StalePolicy)):
             try:
                 setattr(self, name, kind(getattr(self, name)))
             except ValueError:
-                raise ValueError(f"rollout.{name}={getattr(self, name)!r}: use one of "
-                                 f"{[p.value for p in kind]}") from None
+                out.append(f"rollout.{name}={getattr(self, name)!r}: use one of {[p.value for p in kind]}")
+        self.use_chat_template = str(self.use_chat_template).lower()
         checks = [
+            (self.use_chat_template in ("auto", "true", "false"),
+             f"rollout.use_chat_template={self.use_chat_template!r}: use auto, true or false"),
             (self.group_size >= 1, f"rollout.group_size={self.group_size}: must be >= 1 (GRPO needs >= 2)"),
             (self.batch_size >= 1, f"rollout.batch_size={self.batch_size}: must be >= 1"),
             (self.max_inflight >= 1, f"rollout.max_inflight={self.max_inflight}: must be >= 1"),
@@ -75,10 +85,16 @@ class RolloutConfig:
             (self.max_group_retries >= 0, f"rollout.max_group_retries={self.max_group_retries}: must be >= 0"),
             (self.max_failed_groups >= 1, f"rollout.max_failed_groups={self.max_failed_groups}: must be >= 1"),
         ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        return self
+        return out + [message for ok, message in checks if not ok]
+
+    def chat_template(self, tokenizer) -> bool:
+        """Whether prompts go through the tokenizer's chat template: `auto` when it has one."""
+        mode = str(self.use_chat_template).lower()
+        has = bool(getattr(tokenizer, "chat_template", None))
+        if mode == "true" and not has:
+            raise ValueError("rollout.use_chat_template=true, but the model's tokenizer has no chat template; "
+                             "use auto or false")
+        return has if mode == "auto" else mode == "true"
 
     @property
     def groups_in_progress(self) -> int:

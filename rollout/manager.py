@@ -45,6 +45,7 @@ class RolloutManager:
         self.cfg = cfg.validate()
         self.on_drop = on_drop                       # called with every group dropped, and why
         self.router, self.data, self.tokenizer = router, data, tokenizer
+        self._chat = cfg.chat_template(tokenizer)
         router.progress_timeout_s = cfg.progress_timeout_s
         self.reward_fn, self.rollout_fn, self.group_filter = reward_fn, rollout_fn, group_filter
         self.trainer_version = 0
@@ -118,7 +119,7 @@ class RolloutManager:
 
     def _new_group(self) -> Group:
         item = self.data.next()
-        if self.cfg.use_chat_template:
+        if self._chat:
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}],
                                                      add_generation_prompt=True, tokenize=True)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -142,6 +142,15 @@ class ThreadRollout:
             self._thread.join(timeout=10)
 
 
+def _console():
+    """Where the child's stderr goes: this process's sys.stderr (the console even when native
+    libraries' stderr has been sent to a log file), or the inherited descriptor."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 class LocalRollout:
     """RolloutService in a subprocess of its own (`python -m rollout.service`), spoken to over a
     socket pair. Not multiprocessing's spawn: that re-runs the trainer's main script in the child,
@@ -154,7 +163,7 @@ class LocalRollout:
         mine, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen([sys.executable, "-m", "rollout.service", str(theirs.fileno())],
-                                          pass_fds=[theirs.fileno()])
+                                          pass_fds=[theirs.fileno()], stderr=_console())
         self._conn = Connection(mine.detach())
         self._lock = threading.Lock()
         self._started = self._broken = False

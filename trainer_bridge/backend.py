@@ -38,7 +38,7 @@ from rollout.config import RolloutConfig
 from rollout.service import LocalRollout, RolloutSpec, ThreadRollout
 from trainer_bridge import grpo
 from trainer_bridge.batch import Batch, TrainBatch
-from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig
+from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig, model_context
 from trainer_bridge.fleet import LocalFleet
 from trainer_bridge.tasks import DIGIT_TASKS, dataset_items, digit_items
 
@@ -54,6 +54,8 @@ class BackendConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     normalize_std: bool = True
+    overlong_buffer: int = 0          # DAPO overlong penalty over the last N tokens before max_new_tokens (0: off)
+    overlong_penalty: float = 1.0
     seed: int = 0
     log_dir: str = ""
 
@@ -66,6 +68,28 @@ def task_items(task: TaskConfig, seed: int) -> list[dict]:
     raise ValueError(f"task.name={task.name!r}: use one of {DIGIT_TASKS} or 'dataset'")
 
 
+def check_prompts(items: list[dict], tokenizer, rollout: RolloutConfig, context_length: int) -> None:
+    """Before anything starts: every prompt, as the manager will tokenize it, plus max_new_tokens
+    must fit the servers' context. Names the longest prompt."""
+    if not items:
+        raise ValueError("the task has no prompts")
+    chat = rollout.chat_template(tokenizer)
+    texts = [str(item["prompt"]) for item in items]
+    if chat:
+        def count(text: str) -> int:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                tokenize=True)
+            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        lengths = [count(t) for t in texts[:2000]]
+    else:
+        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] + rollout.max_new_tokens > context_length:
+        raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} + the longest prompt ({lengths[longest]} "
+                         f"tokens: {texts[longest][:60]!r}) is more than server.context_length={context_length}; "
+                         f"lower max_new_tokens or raise the context")
+
+
 @dataclass
 class FleetStats:
     evictions: int = 0
@@ -76,9 +100,13 @@ class FleetStats:
 class RolloutBackend:
     def __init__(self, cfg: BackendConfig, rollout_fn: RolloutFn = single_turn, items: list[dict] | None = None):
         from transformers import AutoTokenizer
+        if cfg.server.context_length == 0:           # the model's own context
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(
+                cfg.server, context_length=model_context(cfg.model_path) or 2048))
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.items = items if items is not None else task_items(cfg.task, cfg.seed)
+        check_prompts(self.items, self.tokenizer, cfg.rollout, cfg.server.context_length)
         self.rollout_fn = rollout_fn
         self.fleet = None
         self.rollout = None                  # the manager's host: call(method, *args)
@@ -119,7 +147,14 @@ class RolloutBackend:
         self._admit()
         groups, metrics = self.rollout.call("next_batch", timeout_s=timeout_s)
         batch = Batch.from_groups(groups, self.tokenizer.pad_token_id)
-        advantages = grpo.group_advantages(batch.rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
+        rewards = batch.rewards
+        if self.cfg.overlong_buffer:
+            lengths = torch.tensor([len(s.response_ids) for s in batch.samples])
+            penalty = grpo.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.overlong_buffer,
+                                            self.cfg.overlong_penalty)
+            rewards = rewards + penalty
+            metrics = {**metrics, "overlong_penalty_mean": float(penalty.mean())}
+        advantages = grpo.group_advantages(rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
                           advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
 

@@ -49,7 +49,12 @@ class TrainBatch(Batch):
     advantages: torch.Tensor = None
     metrics: dict = field(default_factory=dict)
 
-    def rows(self, rows: slice) -> "TrainBatch":
-        """A micro-batch: the same fields for rows `rows` (metrics shared)."""
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name)[rows] for f in dataclasses.fields(self)
+    def rows(self, rows: "slice | torch.Tensor") -> "TrainBatch":
+        """A mini- or micro-batch: the same fields for rows `rows`, a slice or a tensor of row
+        indices (metrics shared)."""
+        def pick(value):
+            if isinstance(value, list) and not isinstance(rows, slice):
+                return [value[i] for i in rows.tolist()]
+            return value[rows]
+        return dataclasses.replace(self, **{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)
                                             if f.name != "metrics"})

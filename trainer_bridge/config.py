@@ -2,10 +2,27 @@
 only these dataclasses. Every field has its help text; `validate()` says what to change."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rollout.config import RolloutConfig
 from weight_sync.fanout import tree_parents
+
+
+def callable_problem(name: str, spec: str, builtin: tuple = ()) -> str | None:
+    """Whether `spec` names a function Riptide can load: a built-in name or module:function."""
+    if spec in builtin:
+        return None
+    if ":" not in spec:
+        return f"{name}={spec!r}: use module:function" + (f" or one of {', '.join(builtin)}" if builtin else "")
+    import importlib
+    module, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except Exception as e:       # noqa: BLE001  any import failure is the user's to see, named
+        return f"{name}={spec!r}: cannot load it ({type(e).__name__}: {e})"
+    return None if callable(fn) else f"{name}={spec!r} is not a function"
 
 
 def f(default, help: str, **kw):
@@ -16,7 +33,7 @@ def f(default, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    path: str = f(".cache/tiny-chars", "a local Hugging Face checkpoint directory (never downloaded)")
+    path: str = f("", "a local Hugging Face checkpoint directory (never downloaded); required")
     build_tiny: bool = f(True, "build a tiny random model at `path` when it holds none")
     hidden: int = f(128, "tiny model: hidden size")
     layers: int = f(2, "tiny model: decoder layers")
@@ -24,6 +41,28 @@ class ModelConfig:
     kv_heads: int = f(2, "tiny model: key/value heads")
     tokenizer: str = f("chars", "tiny model: 'chars' (one token per character) or 'bpe'")
     seed: int = f(0, "tiny model: initialisation seed")
+
+    def problems(self, context_length: int) -> list[str]:
+        if not self.path:
+            return ["model.path is required: a local checkpoint directory (model=local model.path=/path/to/model), "
+                    "or model=tiny for a tiny random model built on first use"]
+        config = Path(self.path) / "config.json"
+        if not config.exists():
+            if self.build_tiny:
+                return failed([(self.hidden % self.heads == 0 and self.heads % self.kv_heads == 0,
+                                f"model: hidden={self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}: "
+                                "hidden must divide by heads and heads by kv_heads"),
+                               (self.tokenizer in ("chars", "bpe"), f"model.tokenizer={self.tokenizer!r}: use chars or bpe")])
+            return [f"model.path={self.path!r} holds no checkpoint (config.json); point it at one, or set "
+                    "model.build_tiny=true"]
+        try:
+            limit = json.loads(config.read_text()).get("max_position_embeddings")
+        except (OSError, ValueError) as e:
+            return [f"model.path={self.path!r}: config.json does not read as JSON ({e})"]
+        if limit and context_length > limit:
+            return [f"server.context_length={context_length} is more than the model's max_position_embeddings={limit} "
+                    f"({config})"]
+        return []
 
 
 @dataclass
@@ -37,17 +76,43 @@ class TaskConfig:
     reward: str = f("trainer_bridge.tasks:partial_credit",
                     "module:function (async (sample) -> float) or exact_match | math_answer | format_check")
 
+    def problems(self) -> list[str]:
+        from trainer_bridge.tasks import DIGIT_TASKS
+        out = []
+        if self.name not in (*DIGIT_TASKS, "dataset"):
+            out.append(f"task.name={self.name!r}: use one of {', '.join(DIGIT_TASKS)} or dataset (with task.path)")
+        elif self.name == "dataset":
+            if not self.path:
+                out.append("task.path is required for task.name=dataset: a .jsonl, .json or .parquet file")
+            elif not Path(self.path).exists():
+                out.append(f"task.path={self.path!r}: no such file")
+            elif Path(self.path).suffix not in (".jsonl", ".json", ".parquet"):
+                out.append(f"task.path={self.path!r}: expected a .jsonl, .json or .parquet file")
+        else:
+            out += failed([(self.num_digits >= 1, f"task.num_digits={self.num_digits}: must be >= 1"),
+                           (self.num_prompts >= 1, f"task.num_prompts={self.num_prompts}: must be >= 1")])
+        problem = callable_problem("task.reward", self.reward, builtin=("exact_match", "math_answer", "format_check"))
+        return out + ([problem] if problem else [])
+
 
 @dataclass
 class ServerConfig:
     num_servers: int = f(1, "embedded servers to start as subprocesses")
     urls: list = f([], "connect to these running servers instead of starting any")
     max_running_requests: int = f(64, "sequences each server decodes together")
-    context_length: int = f(512, "tokens per sequence (prompt + response)")
+    context_length: int = f(0, "tokens per sequence (prompt + response); 0: the model's max_position_embeddings")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
     dtype: str = f("auto", "auto | float32 | bfloat16 | float16")
     api_key: str = f("", "bearer token for servers that require one")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
+
+    def problems(self) -> list[str]:
+        return failed([
+            (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
+            (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
+            (self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
+            (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0")])
 
 
 @dataclass
@@ -64,16 +129,21 @@ class WeightSyncConfig:
     min_fraction: float = f(0.5, "a push commits on the servers that remain while at least this share of the "
                                  "fleet does; lost ones are evicted (1.0: all or none)")
 
+    def problems(self) -> list[str]:
+        out = failed([
+            (self.inflight in ("continue", "abort"), f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'"),
+            (self.bucket_mb >= 1, f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1"),
+            (0.0 <= self.min_fraction <= 1.0, f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]"),
+            (self.timeout_s > 0, f"weight_sync.timeout_s={self.timeout_s}: must be > 0"),
+            (self.protocol in ("tcp", "rdma"), f"weight_sync.protocol={self.protocol!r}: use tcp or rdma")])
+        try:
+            tree_parents(1, self.topology, self.fan_out)     # names a bad topology or fan_out
+        except ValueError as e:
+            out.append(f"weight_sync: {e}")
+        return out
+
     def validate(self) -> None:
-        if self.inflight not in ("continue", "abort"):
-            raise ValueError(f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'")
-        if self.bucket_mb < 1:
-            raise ValueError(f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1")
-        tree_parents(1, self.topology, self.fan_out)     # names a bad topology or fan_out
-        if not 0.0 <= self.min_fraction <= 1.0:
-            raise ValueError(f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]")
-        if self.timeout_s <= 0:
-            raise ValueError(f"weight_sync.timeout_s={self.timeout_s}: must be > 0")
+        raise_problems(self.problems())
 
 
 @dataclass
@@ -86,12 +156,15 @@ class ClusterConfig:
     rollout_process: bool = f(True, "run the rollout manager in its own process (off the trainer's GIL)")
     replace_evicted: bool = f(True, "start a replacement for each server evicted from the fleet")
 
+    def problems(self) -> list[str]:
+        return failed([
+            (self.kind in ("local", "ray"), f"cluster.kind={self.kind!r}: use local or ray (cluster=local | cluster=ray)"),
+            (self.server_cpus > 0, f"cluster.server_cpus={self.server_cpus}: must be > 0"),
+            (self.tensor_parallel >= 1, f"cluster.tensor_parallel={self.tensor_parallel}: must be >= 1"),
+            (self.placement_timeout_s > 0, f"cluster.placement_timeout_s={self.placement_timeout_s}: must be > 0")])
+
     def validate(self) -> None:
-        if self.kind not in ("local", "ray"):
-            raise ValueError(f"cluster.kind={self.kind!r}: use local or ray (cluster=local | cluster=ray)")
-        if self.server_cpus <= 0 or self.tensor_parallel < 1 or self.placement_timeout_s <= 0:
-            raise ValueError(f"cluster: server_cpus={self.server_cpus}, tensor_parallel={self.tensor_parallel}, "
-                             f"placement_timeout_s={self.placement_timeout_s}: need > 0, >= 1, > 0")
+        raise_problems(self.problems())
 
 
 @dataclass
@@ -113,12 +186,19 @@ class TrainerConfig:
     kl_coef: float = f(0.0, "k3 KL penalty to the initial model (0: off, no reference model kept)")
     dtype: str = f("float32", "float32 | bfloat16 (autocast on accelerators)")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
-    checkpoint_every: int = f(0, "save a checkpoint every N steps (0: only at the end)")
-    resume: str = f("", "a checkpoint directory to continue from, or 'latest' in run_dir")
+    ppo_epochs: int = f(1, "passes over each batch (>1: the PPO clip and ratio act from the second pass)")
+    ppo_mini_batch_size: int = f(0, "sequences per optimizer step (0: the whole batch, one step per epoch)")
+    entropy_coef: float = f(0.0, "entropy bonus in the loss (0: off; entropy is logged either way)")
+    overlong_buffer: int = f(0, "DAPO overlong penalty: the last N tokens before max_new_tokens cost up to "
+                                "overlong_penalty reward, linearly (0: off)")
+    overlong_penalty: float = f(1.0, "the most reward the overlong penalty takes from a response")
+    checkpoint_every: int = f(20, "save a checkpoint every N steps (0: only at the end and on Ctrl-C / SIGTERM)")
+    resume: str = f("", "'' (start fresh), latest (the newest checkpoint in run_dir, which must exist), auto "
+                        "(latest if there is one, else fresh), or a checkpoint directory")
     seed: int = f(0, "trainer seed")
 
-    def validate(self) -> None:
-        checks = [(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
+    def problems(self) -> list[str]:
+        return failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
                   (self.lr > 0, f"trainer.lr={self.lr}: must be > 0"),
                   (self.lr_schedule in ("constant", "cosine", "linear"),
                    f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear"),
@@ -127,10 +207,23 @@ class TrainerConfig:
                   (self.micro_batch_size >= 1, f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1"),
                   (self.loss_agg in ("token-mean", "seq-mean-token-mean"),
                    f"trainer.loss_agg={self.loss_agg!r}: use token-mean or seq-mean-token-mean"),
-                  (self.dtype in ("float32", "bfloat16"), f"trainer.dtype={self.dtype!r}: use float32 or bfloat16")]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+                  (self.dtype in ("float32", "bfloat16"), f"trainer.dtype={self.dtype!r}: use float32 or bfloat16"),
+                  (self.ppo_epochs >= 1, f"trainer.ppo_epochs={self.ppo_epochs}: must be >= 1"),
+                  (self.ppo_mini_batch_size >= 0, f"trainer.ppo_mini_batch_size={self.ppo_mini_batch_size}: must be >= 0"),
+                  (self.entropy_coef >= 0, f"trainer.entropy_coef={self.entropy_coef}: must be >= 0"),
+                  (self.overlong_buffer >= 0, f"trainer.overlong_buffer={self.overlong_buffer}: must be >= 0"),
+                  (self.overlong_penalty >= 0, f"trainer.overlong_penalty={self.overlong_penalty}: must be >= 0"),
+                  (self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every}: must be >= 0"),
+                  (self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip}: must be >= 0 (0: off)"),
+                  (self.tis_cap >= 0, f"trainer.tis_cap={self.tis_cap}: must be >= 0 (0: off)"),
+                  (self.kl_coef >= 0, f"trainer.kl_coef={self.kl_coef}: must be >= 0"),
+                  (0 <= self.clip_low < 1, f"trainer.clip_low={self.clip_low}: must be in [0, 1)"),
+                  (self.clip_high >= 0, f"trainer.clip_high={self.clip_high}: must be >= 0"),
+                  (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                   f"trainer.betas={self.betas}: two numbers in [0, 1)")])
+
+    def validate(self) -> None:
+        raise_problems(self.problems())
 
 
 @dataclass
@@ -140,6 +233,13 @@ class LoggerConfig:
     mode: str = f("auto", "auto (online when logged in, else offline) | online | offline | disabled")
     log_samples: int = f(4, "sample completions per wandb table")
     progress: bool = f(True, "a progress bar on the console")
+    native_logs: str = f("file", "file (native libraries' stderr, Mooncake's glog lines, go to run_dir/logs/native.log) "
+                                 "| console")
+
+    def problems(self) -> list[str]:
+        return failed([(self.mode in ("auto", "online", "offline", "disabled"),
+                        f"logger.mode={self.mode!r}: use auto, online, offline or disabled"),
+                       (self.native_logs in ("file", "console"), f"logger.native_logs={self.native_logs!r}: use file or console")])
 
 
 @dataclass
@@ -157,15 +257,98 @@ class JobConfig:
     seed: int = f(0, "seed of the data order and the servers")
 
     def validate(self) -> "JobConfig":
-        self.rollout.validate()
-        self.weight_sync.validate()
-        self.cluster.validate()
-        self.trainer.validate()
-        if self.mode not in ("async", "sync"):
-            raise ValueError(f"mode={self.mode!r}: use async or sync")
-        if self.server.num_servers < 1 and not self.server.urls:
-            raise ValueError(f"server.num_servers={self.server.num_servers}: must be >= 1 (or give server.urls)")
-        if self.rollout.group_size < 2:
-            raise ValueError(f"rollout.group_size={self.rollout.group_size}: GRPO needs >= 2 samples per prompt")
+        """Raise ConfigError naming every problem at once; nothing has started yet."""
+        if self.server.context_length == 0:      # the model's own context (a tiny one is built with 2048)
+            self.server.context_length = model_context(self.model.path) or 2048
+        raise_problems(self.problems())
         return self
+
+    def problems(self) -> list[str]:
+        out = [*self.model.problems(self.server.context_length), *self.task.problems(),
+               *self.rollout.problems(), *self.weight_sync.problems(), *self.server.problems(),
+               *self.cluster.problems(), *self.trainer.problems(), *self.logger.problems()]
+        out += failed([
+            (self.mode in ("async", "sync"), f"mode={self.mode!r}: use async or sync"),
+            (self.server.num_servers >= 1 or bool(self.server.urls),
+             f"server.num_servers={self.server.num_servers}: must be >= 1 (or give server.urls)"),
+            (self.rollout.group_size >= 2,
+             f"rollout.group_size={self.rollout.group_size}: GRPO needs >= 2 samples per prompt"),
+            (self.rollout.max_new_tokens < self.server.context_length,
+             f"rollout.max_new_tokens={self.rollout.max_new_tokens} does not fit server.context_length="
+             f"{self.server.context_length} (prompt + response); lower it or raise the context"),
+            (self.trainer.ppo_mini_batch_size <= self.rollout.batch_size * self.rollout.group_size,
+             f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} is more than a batch holds "
+             f"(rollout.batch_size x group_size = {self.rollout.batch_size * self.rollout.group_size})"),
+            (self.trainer.overlong_buffer < self.rollout.max_new_tokens,
+             f"trainer.overlong_buffer={self.trainer.overlong_buffer} must be less than rollout.max_new_tokens="
+             f"{self.rollout.max_new_tokens}")])
+        for name, device in (("trainer.device", self.trainer.device), ("server.device", self.server.device)):
+            problem = device_problem(name, device)
+            if problem:
+                out.append(problem)
+        problem = resume_problem(self.trainer.resume, Path(self.run_dir))
+        if problem:
+            out.append(problem)
+        return out
+
+
+class ConfigError(ValueError):
+    """Every problem with a job's config, one line each."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+def failed(checks: list[tuple[bool, str]]) -> list[str]:
+    return [message for ok, message in checks if not ok]
+
+
+def raise_problems(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+def device_problem(name: str, device: str) -> str | None:
+    """Whether `device` can be used here; torch is imported only for an accelerator."""
+    kind = device.split(":")[0]
+    if kind not in ("auto", "cpu", "cuda", "npu"):
+        return f"{name}={device!r}: use auto, cpu, cuda[:N] or npu[:N]"
+    if kind in ("cuda", "npu"):
+        from inference_server.device import choose_device
+        try:
+            choose_device(device)
+        except ValueError as e:
+            return f"{name}={device!r}: {str(e).split(': ', 1)[-1]}"
+    return None
+
+
+def model_context(path: str) -> int | None:
+    """The checkpoint's max_position_embeddings, if it has a readable config.json."""
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    marker = Path(run_dir) / "checkpoints" / "latest"
+    if not marker.exists():
+        return None
+    path = marker.parent / marker.read_text().strip()
+    return path if (path / "trainer_state.pt").exists() else None
+
+
+def resume_problem(resume: str, run_dir: Path) -> str | None:
+    if resume in ("", "auto"):
+        return None
+    if resume == "latest":
+        if latest_checkpoint(run_dir) is None:
+            return (f"trainer.resume=latest: no checkpoint in {run_dir / 'checkpoints'} to resume from; "
+                    f"check run_dir, or use trainer.resume=auto to start fresh when there is none")
+        return None
+    if not (Path(resume) / "trainer_state.pt").exists():
+        return (f"trainer.resume={resume!r} is not a Riptide checkpoint (no trainer_state.pt); use latest, auto "
+                f"or a run_dir/checkpoints/step-N directory")
+    return None
 

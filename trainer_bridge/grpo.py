@@ -226,3 +226,31 @@ def sequence_logprobs(
         target_logits = scaled.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [seq - 1]
         rows.append(target_logits - torch.logsumexp(scaled, dim=-1))
     return torch.stack(rows)
+
+
+def token_entropy(
+    logits: Tensor,  # [batch, seq, vocab] causal LM output
+    temperature: float = 1.0,
+) -> Tensor:  # [batch, seq - 1]
+    """Entropy of the next-token distribution at each position that predicts a token (as
+    `sequence_logprobs` aligns them), one sequence at a time in float32."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    rows = []
+    for row_logits in logits[:, :-1]:  # [seq - 1, vocab]
+        logp = torch.log_softmax(row_logits.to(dtype) / temperature, dim=-1)
+        rows.append(-(logp.exp() * logp).sum(-1))
+    return torch.stack(rows)
+
+
+def overlong_penalty(
+    lengths: Tensor,  # [batch] response tokens
+    max_new_tokens: int,
+    buffer: int,
+    penalty: float = 1.0,
+) -> Tensor:  # [batch], <= 0
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
+    -penalty at max_new_tokens (and below it past that)."""
+    if buffer <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    start = max_new_tokens - buffer
+    return -penalty * (lengths.to(torch.float32) - start).clamp(min=0) / buffer

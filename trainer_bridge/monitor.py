@@ -3,9 +3,33 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from trainer_bridge.config import LoggerConfig
+
+
+def native_logs_to(path: Path) -> None:
+    """Send what native libraries write to stderr (Mooncake's glog lines: `I1130 ... listen on
+    port`, `E1130 ... Local segment descriptor not found`) to `path`, not the console. Python's own
+    stderr (tracebacks, warnings, the progress bar) stays on the console: it moves to a copy of the
+    original descriptor, and processes started from here get that copy too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    console = os.dup(2)
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+    os.set_inheritable(console, True)
+    sys.stderr = os.fdopen(console, "w", buffering=1, closefd=False)
+    import logging
+    for handler in logging.getLogger().handlers:       # Hydra's console handler, if any
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "fileno", None):
+            try:
+                if handler.stream.fileno() == 2:
+                    handler.setStream(sys.stderr)
+            except (OSError, ValueError):
+                pass
 
 
 def wandb_mode(cfg: LoggerConfig) -> str:
@@ -24,8 +48,9 @@ class Monitor:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.history = self._earlier_steps(first_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.history: list[dict] = []
+        self.warnings: list[str] = []
         self.run = None
         mode = wandb_mode(cfg)
         if mode != "disabled":
@@ -36,6 +61,33 @@ class Monitor:
         if cfg.progress:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=first_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    def _earlier_steps(self, first_step: int) -> list[dict]:
+        """A resumed run keeps the steps before its checkpoint (its curve is the whole run's) and
+        drops the ones logged after it, which it is about to run again."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        kept = [r for r in records if r.get("step", 0) < first_step]
+        if len(kept) != len(records):
+            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        return kept
+
+    def warn(self, message: str) -> None:
+        """Loud: on the console above the progress bar, in wandb's summary and as an alert."""
+        self.warnings.append(message)
+        line = f"riptide WARNING: {message}"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        if self.run is not None:
+            self.run.summary["warnings"] = list(self.warnings)
+            try:
+                self.run.alert(title="riptide", text=message, level="WARN")
+            except Exception:        # noqa: BLE001  offline runs may not take alerts: the summary holds it
+                pass
 
     def _run_id(self) -> str:
         path = self.run_dir / "wandb_run_id"

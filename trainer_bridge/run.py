@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import random
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +16,7 @@ import torch
 from rollout.config import UpdatePolicy
 from trainer_bridge.backend import BackendConfig, RolloutBackend
 from trainer_bridge.batch import TrainBatch
-from trainer_bridge.config import JobConfig
+from trainer_bridge.config import JobConfig, latest_checkpoint
 from trainer_bridge.monitor import Monitor
 from trainer_bridge.trainer import GRPOTrainer
 
@@ -56,6 +59,7 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
            "sync/egress_bytes": sync.egress_bytes,
            "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
+           **({"reward/overlong_penalty": r["overlong_penalty_mean"]} if "overlong_penalty_mean" in r else {}),
            **{k: v for k, v in r.items() if k.startswith("fleet/")},
            **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r["tokens_per_s_by_server"].items()}}
     out.update({f"train/{k}": v for k, v in train.items()})
@@ -63,13 +67,30 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
 
 
 STOP = threading.Event()      # set by the launcher's signal handler; the loop checks it between steps
+IN_STEP = threading.Event()   # set while the loop runs a step: a first signal then lets the step finish
+SIGNAL = {"number": 0}
 
 
 def stop_on_signal(signum, frame) -> None:
-    """Ctrl-C or SIGTERM: stop now, and at the next step if the KeyboardInterrupt raised here is
-    lost (one that lands in a __del__ or a callback is printed and dropped)."""
+    """Ctrl-C or SIGTERM. Inside a step, the first one lets the step finish; the loop then saves a
+    checkpoint and stops. Anywhere else, or a second signal: stop now (KeyboardInterrupt), and at
+    the next step too if that exception is lost (one that lands in a __del__ is printed and dropped)."""
+    first = not STOP.is_set()
     STOP.set()
+    SIGNAL["number"] = signum
+    if first and IN_STEP.is_set():
+        print(f"\nriptide-train: {signal.Signals(signum).name}: stopping after this step with a checkpoint "
+              f"(send it again to stop at once)", file=sys.stderr, flush=True)
+        return
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal after saving a checkpoint; `checkpoint` says where."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(f"stopped by {signal.Signals(signum).name if signum else 'a signal'} after step {step}")
 
 
 def run(job: JobConfig) -> dict:
@@ -79,15 +100,18 @@ def run(job: JobConfig) -> dict:
     random.seed(job.seed)
     torch.manual_seed(job.trainer.seed)
     run_dir = Path(job.run_dir)
+    save_config(job, run_dir)
     model_path = ensure_model(job)
     from transformers import AutoModelForCausalLM
     ckpt_dir = run_dir / "checkpoints"
-    resume = _resume_dir(job, ckpt_dir)
+    resume = _resume_dir(job, run_dir)
     model = AutoModelForCausalLM.from_pretrained(str(resume or model_path), dtype=torch.float32)
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)
     backend = RolloutBackend(BackendConfig(model_path=model_path, task=job.task, rollout=job.rollout,
                                            server=job.server, weight_sync=job.weight_sync, cluster=job.cluster,
                                            normalize_std=job.trainer.normalize_std, seed=job.seed,
+                                           overlong_buffer=job.trainer.overlong_buffer,
+                                           overlong_penalty=job.trainer.overlong_penalty,
                                            log_dir=str(run_dir / "logs")))
     first_step = 0
     if resume is not None:
@@ -95,12 +119,14 @@ def run(job: JobConfig) -> dict:
         backend.load_state_dict(rollout_state)
         log.info("resuming from %s at step %d", resume, first_step)
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(job), job.trainer.steps, first_step)
-    rewards, t_start = [], time.perf_counter()
+    watch = Watch(job, monitor)
+    rewards, t_start, done = [], time.perf_counter(), first_step
     try:
         backend.start(model, version=first_step)
         for step in range(first_step, job.trainer.steps):
             if STOP.is_set():
-                raise KeyboardInterrupt("stop requested by a signal")
+                break
+            IN_STEP.set()
             t0 = time.perf_counter()
             batch = backend.next_batch()
             t1 = time.perf_counter()
@@ -109,15 +135,57 @@ def run(job: JobConfig) -> dict:
             sync = backend.push_weights(model, version=step + 1)
             t3 = time.perf_counter()
             metrics = step_metrics(batch, train, sync, {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
+            metrics.update(watch.check(step, batch, job.rollout.max_new_tokens))
             monitor.log(step, metrics, batch.samples)
             rewards.append(metrics["reward/mean"])
-            if job.trainer.checkpoint_every and (step + 1) % job.trainer.checkpoint_every == 0:
-                trainer.save(ckpt_dir, step + 1, backend.state_dict(), backend.tokenizer)
+            done = step + 1
+            IN_STEP.clear()
+            if job.trainer.checkpoint_every and done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
+                trainer.save(ckpt_dir, done, backend.state_dict(), backend.tokenizer)
+        if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
+            path = trainer.save(ckpt_dir, done, backend.state_dict(), backend.tokenizer) if done > first_step \
+                else latest_checkpoint(run_dir)
+            raise Stopped(SIGNAL["number"], done, path)
         trainer.save(ckpt_dir, job.trainer.steps, backend.state_dict(), backend.tokenizer)
     finally:
+        IN_STEP.clear()
         backend.close()
         plot = monitor.finish()
     return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
+
+
+def save_config(job: JobConfig, run_dir: Path) -> Path:
+    """The resolved config, always in the run dir (wandb or not): what ran, field by field."""
+    from omegaconf import OmegaConf
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(json.loads(json.dumps(dataclasses.asdict(job), default=str)))))
+    return path
+
+
+class Watch:
+    """Warnings a run needs to see: every reward zero, or every response cut at max_new_tokens,
+    for `patience` steps in a row. Loud on the console (once, then every `patience` steps) and in
+    wandb (warn/* metrics, 1 while it holds)."""
+
+    def __init__(self, job: JobConfig, monitor: Monitor, patience: int = 10):
+        self.patience, self.monitor = patience, monitor
+        self.zero = self.cut = 0
+
+    def check(self, step: int, batch: TrainBatch, max_new_tokens: int) -> dict:
+        rewards = batch.rewards
+        self.zero = self.zero + 1 if bool((rewards == 0).all()) else 0
+        truncated = [len(s.response_ids) >= max_new_tokens for s in batch.samples]
+        self.cut = self.cut + 1 if truncated and all(truncated) else 0
+        out = {"warn/all_rewards_zero_steps": self.zero, "warn/all_truncated_steps": self.cut}
+        if self.zero and self.zero % self.patience == 0:
+            self.monitor.warn(f"step {step}: every reward has been 0 for {self.zero} steps: nothing to learn from. "
+                              f"Check task.reward on a few responses, rollout.max_new_tokens, the chat template "
+                              f"(rollout.use_chat_template) and the prompt format")
+        if self.cut and self.cut % self.patience == 0:
+            self.monitor.warn(f"step {step}: every response has hit rollout.max_new_tokens={max_new_tokens} for "
+                              f"{self.cut} steps: answers are cut off; raise it (and server.context_length)")
+        return out
 
 
 def summary(rewards: list[float], job: JobConfig, first_step: int, seconds: float, wandb_dir: str,
@@ -129,14 +197,14 @@ def summary(rewards: list[float], job: JobConfig, first_step: int, seconds: floa
             "wandb_dir": wandb_dir, "plot": plot}
 
 
-def _resume_dir(job: JobConfig, ckpt_dir: Path) -> Path | None:
+def _resume_dir(job: JobConfig, run_dir: Path) -> Path | None:
+    """The checkpoint to continue from (validate() has refused resume=latest without one)."""
     r = job.trainer.resume
     if not r:
         return None
-    if r == "latest":
-        marker = ckpt_dir / "latest"
-        return ckpt_dir / marker.read_text().strip() if marker.exists() else None
-    if not (Path(r) / "trainer_state.pt").exists():
-        raise ValueError(f"trainer.resume={r!r} is not a Riptide checkpoint (no trainer_state.pt); "
-                         f"use 'latest' or a run_dir/checkpoints/step-N directory")
+    if r in ("latest", "auto"):
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            log.warning("trainer.resume=auto: no checkpoint in %s: starting fresh", run_dir / "checkpoints")
+        return found
     return Path(r)

@@ -20,48 +20,96 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from trainer_bridge.config import JobConfig
+from trainer_bridge.config import ConfigError, JobConfig
 
 ConfigStore.instance().store(name="schema", node=JobConfig)
 
 
 def schema_paths(cls=JobConfig, prefix: str = "") -> dict[str, str]:
     """Every settable field ('trainer.lr') with its help text."""
+    return {path: help for path, (help, _) in schema_fields(cls, prefix).items()}
+
+
+def schema_fields(cls=JobConfig, prefix: str = "") -> dict[str, tuple[str, object]]:
+    """Every settable field with its help text and its default (whose type a value must have)."""
     out = {}
     for fl in fields(cls):
         path = f"{prefix}{fl.name}"
         default = fl.default_factory() if callable(fl.default_factory) else fl.default
         if is_dataclass(default):
-            out.update(schema_paths(type(default), path + "."))
+            out.update(schema_fields(type(default), path + "."))
         else:
-            out[path] = fl.metadata.get("help", "")
+            out[path] = (fl.metadata.get("help", ""), default)
     return out
+
+
+_BOOLS = {"true", "false", "yes", "no", "on", "off", "1", "0"}
+
+
+def value_problem(key: str, value: str, default) -> str | None:
+    """Whether an override's value reads as the field's type (as Hydra would read it)."""
+    if value.startswith(("${", "null")) or value in ("", "''", '""'):
+        return None
+    kind = type(default)
+    try:
+        if kind is bool:
+            if value.lower() not in _BOOLS:
+                raise ValueError
+        elif kind is int:
+            int(value)
+        elif kind is float:
+            float(value)
+        else:
+            return None
+    except ValueError:
+        return f"{key}={value!r}: expected {'true or false' if kind is bool else 'an integer' if kind is int else 'a number'}"
+    return None
 
 
 GROUPS = ("model", "task", "rollout", "weight_sync", "server", "cluster", "trainer", "logger", "hydra")
 
 
 def check_overrides(argv: list[str]) -> str | None:
-    """A clear message for an override naming a field the schema does not have (before Hydra runs)."""
-    known = schema_paths()
+    """Clear messages for overrides naming a field the schema does not have, or giving a value of the
+    wrong type (before Hydra runs, whose own errors name its internals); one line per problem."""
+    known = schema_fields()
+    problems, listing = [], ""
     for arg in argv:
         if "=" not in arg or arg.startswith(("-", "hydra", "+hydra", "~")):
             continue
-        key = arg.split("=", 1)[0].lstrip("+")
-        if key in GROUPS or key in known:
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+")
+        if key in GROUPS:
+            continue
+        if key in known:
+            problem = value_problem(key, value, known[key][1])
+            if problem:
+                problems.append(problem)
             continue
         close = difflib.get_close_matches(key, list(known), n=3)
         group = key.split(".")[0]
         siblings = [k for k in known if k.startswith(group + ".")]
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        listing = "\n".join(f"  {k}: {known[k]}" for k in siblings) if siblings else \
-            "  groups: " + ", ".join(GROUPS[:-1])
-        return f"unknown config field {key!r}.{hint}\nFields{' of ' + group if siblings else ''}:\n{listing}"
-    return None
+        problems.append(f"unknown config field {key!r}.{hint}")
+        listing = listing or ("\n".join(f"  {k}: {known[k][0]}" for k in siblings) if siblings else
+                              "  groups: " + ", ".join(GROUPS[:-1]))
+        if siblings:
+            listing = f"Fields of {group}:\n{listing}"
+    if not problems:
+        return None
+    return "\n".join(f"  - {p}" for p in problems) + (f"\n{listing}" if listing else "")
 
 
 def to_job(cfg: DictConfig) -> JobConfig:
-    job = OmegaConf.to_object(cfg)
+    """The typed job, checked: ConfigError names every problem (a required `???` field left empty too)."""
+    from omegaconf.errors import OmegaConfBaseException
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError([f"{key} is required (it is ??? in its config); set it on the command line" for key in missing])
+    try:
+        job = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError([str(e).splitlines()[0]]) from None
     return job.validate()
 
 
@@ -70,17 +118,33 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from trainer_bridge.run import run, stop_on_signal
+    from trainer_bridge.run import SIGNAL, Stopped, run, stop_on_signal
     logging.getLogger().setLevel(logging.WARNING)      # Hydra sets INFO: one line per HTTP request
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         job = to_job(cfg)
     except ValueError as e:
-        print(f"riptide-train: bad config: {e}", file=sys.stderr)
+        problems = e.problems if isinstance(e, ConfigError) else [str(e)]
+        print("riptide-train: bad config:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         sys.exit(2)
+    if job.logger.native_logs == "file":
+        from trainer_bridge.monitor import native_logs_to
+        native_logs_to(Path(job.run_dir) / "logs" / "native.log")
+    import transformers
+    transformers.utils.logging.disable_progress_bar()       # "Writing model shards" on every checkpoint
     for sig in (signal.SIGINT, signal.SIGTERM):          # SIGINT too: a launcher may have left it ignored
         signal.signal(sig, stop_on_signal)
-    result = run(job)
+    try:
+        result = run(job)
+    except Stopped as e:
+        where = f"checkpoint {e.checkpoint}; continue with trainer.resume=latest run_dir={job.run_dir}" \
+            if e.checkpoint else "no checkpoint yet"
+        print(f"riptide-train: {e} ({where})", file=sys.stderr)
+        sys.exit(128 + (e.signum or signal.SIGINT))
+    except KeyboardInterrupt:
+        print("riptide-train: stopped by a signal before a step finished; everything it started is stopped",
+              file=sys.stderr)
+        sys.exit(128 + (SIGNAL["number"] or signal.SIGINT))
     print(f"wandb run: {result['wandb_dir'] or '(disabled)'}   plot: {result['plot']}")
     print(json.dumps(result))
 
@@ -88,7 +152,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     message = check_overrides(sys.argv[1:])
     if message:
-        print(f"riptide-train: {message}", file=sys.stderr)
+        print(f"riptide-train: bad config:\n{message}", file=sys.stderr)
         sys.exit(2)
     main()
 

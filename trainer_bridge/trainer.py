@@ -53,32 +53,60 @@ class GRPOTrainer:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def train_step(self, batch: TrainBatch) -> dict:
-        """One optimizer step over the whole batch; returns the step's training metrics."""
+        """One trainer step over the batch: `ppo_epochs` passes, each in mini-batches of
+        `ppo_mini_batch_size` rows (one optimizer step each); returns the step's training metrics,
+        token-weighted means over every update."""
         t0 = time.perf_counter()
         self.model.train()
         n = batch.input_ids.shape[0]
-        tokens = float(batch.loss_mask.sum())
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for start in range(0, n, self.cfg.micro_batch_size):
-            rows = slice(start, min(n, start + self.cfg.micro_batch_size))
-            loss, metrics, weight = self._micro_batch(batch.rows(rows), tokens)
-            loss.backward()
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * weight
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                   self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
+        size = self.cfg.ppo_mini_batch_size or n
+        updates = self.cfg.ppo_epochs * math.ceil(n / size)
+        # The proximal ("old") policy: the weights before this step. With one update it is the
+        # current policy itself (detached), so no extra forward pass.
+        proximal = self._logprobs(batch) if updates > 1 else None
         lr = lr_at(self.cfg, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        sums: dict[str, float] = {}
+        norms = []
+        generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_count)
+        for epoch in range(self.cfg.ppo_epochs):
+            order = torch.randperm(n, generator=generator) if updates > 1 else torch.arange(n)
+            for start in range(0, n, size):
+                rows = order[start:start + size]
+                mb = batch.rows(rows)
+                tokens = float(mb.loss_mask.sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                for m in range(0, len(rows), self.cfg.micro_batch_size):
+                    part = slice(m, min(len(rows), m + self.cfg.micro_batch_size))
+                    prox = proximal[rows[part]] if proximal is not None else None
+                    loss, metrics, weight = self._micro_batch(mb.rows(part), tokens, prox)
+                    loss.backward()
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * weight / updates
+                norms.append(float(torch.nn.utils.clip_grad_norm_(
+                    self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)))
+                self.optimizer.step()
         self.step_count += 1
         seconds = time.perf_counter() - t0
-        return {**sums, "grad_norm": float(grad_norm), "lr": lr, "train_seconds": seconds,
-                "trainer_tokens_per_s": float(batch.attention_mask.sum()) / seconds}
+        return {**sums, "grad_norm": sum(norms) / len(norms), "lr": lr, "train_seconds": seconds,
+                "optimizer_steps": updates,
+                "trainer_tokens_per_s": float(batch.attention_mask.sum()) * self.cfg.ppo_epochs / seconds}
 
-    def _micro_batch(self, mb: TrainBatch, batch_tokens: float):
-        """Loss of one micro-batch, scaled so that gradients add up to the whole batch's loss."""
+    @torch.no_grad()
+    def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The current weights' logprob of every token, [batch, seq-1], in micro-batches."""
+        out = []
+        for start in range(0, batch.input_ids.shape[0], self.cfg.micro_batch_size):
+            mb = batch.rows(slice(start, start + self.cfg.micro_batch_size))
+            ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+            with self._autocast():
+                logits = self.model(input_ids=ids, attention_mask=attention).logits
+            out.append(grpo.sequence_logprobs(logits, ids, self.temperature).float().cpu())
+        return torch.cat(out)
+
+    def _micro_batch(self, mb: TrainBatch, batch_tokens: float, proximal: torch.Tensor | None = None):
+        """Loss of one micro-batch, scaled so that gradients add up to the mini-batch's loss."""
         ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         mask = mb.loss_mask[:, 1:].to(self.device)                     # [mb, seq-1]: token t+1 given <= t
         behaviour = mb.behaviour_logprobs[:, 1:].to(self.device)
@@ -86,11 +114,16 @@ class GRPOTrainer:
         with self._autocast():
             logits = self.model(input_ids=ids, attention_mask=attention).logits
         logprobs = grpo.sequence_logprobs(logits, ids, self.temperature)   # [mb, seq-1]
-        # One optimizer step per batch: the proximal policy is the current one, detached.
+        proximal = logprobs.detach() if proximal is None else proximal.to(self.device)
         loss, metrics = grpo.policy_loss(
-            logprobs, logprobs.detach(), advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
+            logprobs, proximal, advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
             agg=self.cfg.loss_agg, behaviour_logprobs=behaviour if self.cfg.tis_cap > 0 else None,
             tis_cap=self.cfg.tis_cap if self.cfg.tis_cap > 0 else None)
+        with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
+            entropy = grpo.aggregate(grpo.token_entropy(logits, self.temperature), mask, self.cfg.loss_agg)
+        if self.cfg.entropy_coef > 0:
+            loss = loss - self.cfg.entropy_coef * entropy
+        metrics = {**metrics, "entropy": entropy.detach()}
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
                 ref = grpo.sequence_logprobs(self.reference(input_ids=ids, attention_mask=attention).logits, ids,
