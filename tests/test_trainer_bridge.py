@@ -55,6 +55,78 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
     assert servers_of(tmp_path) == []
 
 
+@pytest.mark.parametrize("overrides, words", [
+    (["model=local"], ["model.path is required"]),
+    (["task=gsm8k"], ["task.path is required"]),
+    (["task.name=bogus"], ["task.name='bogus'", "copy"]),
+    (["rollout.max_new_tokens=10000"], ["rollout.max_new_tokens=10000", "server.context_length"]),
+    (["trainer.device=npu"], ["trainer.device='npu'"]),
+    (["trainer.lr=abc"], ["trainer.lr='abc'", "a number"]),
+    (["trainer.resume=latest"], ["trainer.resume=latest", "no checkpoint"]),
+    (["task.name=bogus", "trainer.lr=-1", "rollout.max_new_tokens=10000"],
+     ["task.name='bogus'", "trainer.lr=-1.0", "rollout.max_new_tokens=10000"]),   # one line per problem
+])
+def test_a_real_jobs_config_mistakes_are_named_before_anything_starts(tmp_path, overrides, words):
+    """What a new user gets wrong first: each is refused at once, naming the field, with no
+    traceback, no model built and no server started (the launch takes ~2.5 s here, mostly imports)."""
+    proc = subprocess.run([sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}", *FAST,
+                           *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "bad config" in proc.stderr, proc.stderr[-2000:]
+    for w in words:
+        assert w in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / ".cache").exists() and not (tmp_path / "run" / "logs").exists()
+    assert servers_of(tmp_path) == []
+
+
+def test_ppo_epochs_make_the_clip_act(tiny_model):
+    """With one update per batch the ratio is 1 and no clip binds; a second epoch (or several
+    mini-batches) moves the policy off the proximal one and the clip starts to bind."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.batch import TrainBatch
+    from trainer_bridge.config import TrainerConfig
+    from trainer_bridge.trainer import GRPOTrainer
+
+    def batch(seed: int) -> TrainBatch:
+        g = torch.Generator().manual_seed(seed)
+        rows, seq = 16, 12
+        ids = torch.randint(3, 50, (rows, seq), generator=g)
+        loss_mask = torch.zeros(rows, seq)
+        loss_mask[:, 4:] = 1
+        return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
+                          behaviour_logprobs=torch.full((rows, seq), -3.0) * loss_mask,
+                          versions=torch.zeros_like(ids), rewards=torch.zeros(rows),
+                          group_index=torch.arange(rows) // 4, samples=[None] * rows,
+                          advantages=torch.randn(rows, generator=g))
+
+    metrics = {}
+    for epochs, mini in ((1, 0), (2, 0), (1, 4)):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        trainer = GRPOTrainer(model, TrainerConfig(lr=0.02, ppo_epochs=epochs, ppo_mini_batch_size=mini, tis_cap=0))
+        metrics[(epochs, mini)] = [trainer.train_step(batch(s)) for s in range(2)][-1]
+    one = metrics[(1, 0)]
+    assert one["optimizer_steps"] == 1 and one["clip_fraction_low"] == 0 and one["clip_fraction_high"] == 0
+    assert abs(one["ratio_mean"] - 1) < 1e-6 and one["entropy"] > 0
+    for key in ((2, 0), (1, 4)):
+        m = metrics[key]
+        assert m["optimizer_steps"] == key[0] * (16 // (key[1] or 16))
+        assert m["clip_fraction_low"] + m["clip_fraction_high"] > 0, m
+        assert abs(m["ratio_mean"] - 1) > 1e-4
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    import torch
+
+    from trainer_bridge.grpo import overlong_penalty
+    got = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, penalty=1.0)
+    assert got.tolist() == [0.0, 0.0, -0.5, -1.0]
+    assert overlong_penalty(torch.tensor([16]), 16, 0).tolist() == [0.0]
+
+
 def test_lr_schedule_warms_up_then_decays_to_its_floor():
     from trainer_bridge.config import TrainerConfig
     from trainer_bridge.trainer import lr_at
@@ -112,7 +184,9 @@ def test_resume_continues_steps_curve_and_data(tmp_path):
 @pytest.mark.parametrize("sig, num_servers", [(signal.SIGINT, 1), (signal.SIGTERM, 2)])
 def test_no_server_survives_an_interrupted_launch(tmp_path, sig, num_servers):
     """Every server the launch started dies with it; N servers share the CPU's cores (on 2 cores: one
-    decode thread each, no split steps, rather than 2 x 2 threads fighting over 2 cores)."""
+    decode thread each, no split steps, rather than 2 x 2 threads fighting over 2 cores). The step in
+    progress finishes and a checkpoint of it is saved, with no traceback; resume=latest continues
+    its step count, data position and curve."""
     from inference_server.process import cpu_share_args
     cmd = [sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
            f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=500", f"server.num_servers={num_servers}"]
@@ -145,6 +219,54 @@ def test_no_server_survives_an_interrupted_launch(tmp_path, sig, num_servers):
             break
         time.sleep(0.2)
     assert servers_of(tmp_path) == []
+    stderr = proc.stderr.read()
+    assert proc.returncode == 128 + sig and "Traceback" not in stderr, stderr[-3000:]
+    run = tmp_path / "run"
+    done = len((run / "metrics.jsonl").read_text().splitlines())
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{done:06d}" and f"after step {done}" in stderr, (latest, done, stderr[-2000:])
+    if sig != signal.SIGTERM:
+        return
+    saved = json.loads((run / "checkpoints" / latest / "rollout_state.json").read_text())
+    again = train(tmp_path, f"trainer.steps={done + 2}", "trainer.resume=latest", f"server.num_servers={num_servers}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert last_json(again.stdout)["first_step"] == done
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(done + 2))
+    later = json.loads((run / "checkpoints" / f"step-{done + 2:06d}" / "rollout_state.json").read_text())
+    assert later["trainer_version"] == done + 2 and saved["trainer_version"] == done
+    assert (later["data"]["epoch"], later["data"]["cursor"]) > (saved["data"]["epoch"], saved["data"]["cursor"])
+
+
+def test_a_dead_server_does_not_end_the_job(tmp_path):
+    """Default config, two servers: kill -9 one mid-run. The run finishes every step; the push
+    commits on the survivor and evicts the dead one; a replacement starts, cold-starts from the
+    survivor and joins the router at the current version."""
+    cmd = [sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
+           f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=30", "server.num_servers=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "WANDB_MODE": "offline"})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        victim = servers_of(tmp_path)[0]
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    assert last_json(out)["steps"] == 30
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(30))
+    last = lines[-1]
+    assert last["fleet/evictions"] >= 1 and last["fleet/replacements"] >= 1 and last["fleet/servers"] == 2, last
+    assert victim not in servers_of(tmp_path)
 
 
 def test_attach_example_runs(tmp_path):
