@@ -163,7 +163,7 @@ class Server:
         return SamplingParams(max_new_tokens=sp.max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
                               top_k=sp.top_k, min_p=sp.min_p, stop=sp.stop_list,
                               stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
-                              seed=sp.seed)
+                              seed=sp.seed, top_logprobs=sp.top_logprobs)
 
     def sequences(self, req: GenerateReqInput) -> tuple[list[Sequence], list[bool], bool]:
         """One Sequence per prompt per sample, prompt-major, with its return_logprob flag."""
@@ -286,7 +286,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     app = FastAPI(title="Riptide inference server", lifespan=lifespan)
     app.state.server = server
-    app.state.admin_prefixes, app.state.cold_prefixes = [], ["/get_", "/metrics"]
+    app.state.admin_prefixes, app.state.cold_prefixes = [], ["/get_", "/metrics", "/v1/models"]
     app.state.on_startup, app.state.on_shutdown = [], []
     app.add_middleware(_Gate, gate=_gate(app, engine, host, api_key))
 
@@ -295,8 +295,11 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
         return JSONResponse({"error": validation_message(exc.errors())}, status_code=400)
 
     @app.exception_handler(ValueError)
-    async def _bad(_, exc: ValueError):
+    async def _bad(request: Request, exc: ValueError):
         field = getattr(exc, "field", None)
+        if request.url.path.startswith("/v1/"):          # OpenAI's error shape, which its clients show
+            return JSONResponse({"error": {"message": str(exc), "type": "invalid_request_error", "param": field,
+                                           "code": None}}, status_code=400)
         return JSONResponse({"error": str(exc), **({"field": field} if field else {})}, status_code=400)
 
     @app.exception_handler(Exception)
@@ -344,6 +347,11 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
     async def chat_completions(req: ChatCompletionRequest = body(ChatCompletionRequest)):
         from inference_server.openai_api import chat_completion
         return await chat_completion(server, req)
+
+    @app.get("/v1/models")
+    async def list_models():
+        from inference_server.openai_api import models
+        return models(server)
 
 
 def _control_routes(app: FastAPI, engine: Engine) -> None:

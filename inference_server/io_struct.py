@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 Number = Union[StrictInt, StrictFloat]
 MAX_N = 64
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingParamsIn(BaseModel):
@@ -25,6 +26,14 @@ class SamplingParamsIn(BaseModel):
     ignore_eos: StrictBool = False
     n: StrictInt = 1
     seed: Union[StrictInt, None] = None
+    top_logprobs: StrictInt = 0               # report this many most likely tokens per step (OpenAI's)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v):
+        if not 0 <= v <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        return v
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -99,37 +108,73 @@ class UpdateWeightsFromDiskReqInput(BaseModel):
     abort_all_requests: StrictBool = False
 
 
+# OpenAI fields that change nothing here and are taken as given; any other field Riptide does not
+# implement (tools, penalties, logit_bias, ...) is refused with a 400 naming it, not ignored.
+OPENAI_HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}
+OPENAI_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1, "best_of": 1,
+                  "echo": False, "response_format": {"type": "text"}, "tool_choice": "none", "tools": []}
+
+
 class _OpenAISampling(BaseModel):
     """The sampling fields both OpenAI-shaped endpoints share."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: Union[StrictStr, None] = None
-    temperature: Number = 1.0
-    top_p: Number = 1.0
+    temperature: Union[Number, None] = 1.0
+    top_p: Union[Number, None] = 1.0
     top_k: StrictInt = -1
     min_p: Number = 0.0
-    n: StrictInt = 1
+    n: Union[StrictInt, None] = 1
     stop: Union[StrictStr, list[StrictStr], None] = None
+    stop_token_ids: Union[list[StrictInt], None] = None
     seed: Union[StrictInt, None] = None
-    stream: StrictBool = False
+    stream: Union[StrictBool, None] = False
+    stream_options: Union[dict, None] = None
+
+    def unsupported(self) -> list[str]:
+        """The fields this request sets that Riptide does not implement (a neutral value passes)."""
+        out = []
+        for key, value in (self.model_extra or {}).items():
+            if key in OPENAI_HARMLESS or value is None:
+                continue
+            if key in OPENAI_NEUTRAL and value == OPENAI_NEUTRAL[key]:
+                continue
+            out.append(key)
+        return sorted(out)
 
 
 class CompletionRequest(_OpenAISampling):
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt]]
-    max_tokens: StrictInt = 16
-    logprobs: Union[StrictInt, None] = None
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    max_tokens: Union[StrictInt, None] = 16
+    logprobs: Union[StrictInt, None] = None          # how many top logprobs per token (0: the chosen one)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: StrictStr
+    text: Union[StrictStr, None] = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: StrictStr
-    content: Union[StrictStr, None] = None
+    content: Union[StrictStr, list[ContentPart], None] = None
+
+    def text(self, index: int) -> str | None:
+        """The content as one string; list-style content may hold only text parts."""
+        if not isinstance(self.content, list):
+            return self.content
+        bad = [p.type for p in self.content if p.type != "text"]
+        if bad:
+            raise ValueError(f"messages[{index}].content: only text parts are served, not {', '.join(sorted(set(bad)))}")
+        return "".join(p.text or "" for p in self.content)
 
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Union[StrictInt, None] = None
     max_completion_tokens: Union[StrictInt, None] = None
-    logprobs: StrictBool = False
+    logprobs: Union[StrictBool, None] = False
+    top_logprobs: Union[StrictInt, None] = None
 
 
 def parse_version(value: int | str | None, field: str = "weight_version") -> int | None:

@@ -47,6 +47,13 @@ class Sampler:
             if bool(greedy.any()):
                 tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
         chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+        want = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+        if want:          # OpenAI's top_logprobs: the most likely tokens of the same distribution
+            k = min(max(params[i].top_logprobs for i in want), logprobs.shape[-1])
+            values, ids = logprobs[want].topk(k, dim=-1)
+            for row, i in enumerate(want):
+                n = params[i].top_logprobs
+                seqs[i].next_top = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
         return tokens.tolist(), chosen.tolist()
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -23,6 +23,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    top_logprobs: int = 0                      # also report this many most likely tokens per step
 
     @property
     def greedy(self) -> bool:
@@ -44,6 +45,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[int] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    next_top: list[tuple[int, float]] | None = None    # the sampler's top logprobs for the token it draws
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: dict | None = None
     slot: int | None = None
@@ -71,6 +74,9 @@ class Sequence:
         self.output_ids.append(token)
         self.output_logprobs.append(logprob)
         self.output_versions.append(version)
+        if self.next_top is not None:
+            self.output_top_logprobs.append(self.next_top)
+            self.next_top = None
 
     def finish(self, reason: dict) -> None:
         self.status = SeqStatus.FINISHED

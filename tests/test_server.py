@@ -265,6 +265,53 @@ def test_openai_endpoints(server):
     assert r.json()["usage"]["completion_tokens"] <= 8
 
 
+def test_the_official_openai_client_streams_and_sees_what_riptide_serves(server):
+    """The `openai` package against both endpoints: streaming (text, usage), /v1/models, n, stop,
+    logprobs with top_logprobs, list-style content, per-token weight versions as an extra field,
+    and a 400 naming each field Riptide does not implement."""
+    import openai
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60, max_retries=0)
+    model = client.models.list().data[0]
+    assert model.id and model.max_model_len == 1024
+
+    chunks = list(client.completions.create(model=model.id, prompt="12 +", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}, seed=3, temperature=1.0))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    whole = client.completions.create(model=model.id, prompt="12 +", max_tokens=6, seed=3, temperature=1.0)
+    assert text == whole.choices[0].text and finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    versions = [v for c in chunks if c.choices for v in c.choices[0].model_extra["weight_versions"]]
+    assert len(versions) == whole.usage.completion_tokens and versions == whole.choices[0].model_extra["weight_versions"]
+
+    stream = client.chat.completions.create(
+        model=model.id, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}], max_tokens=5,
+        stream=True, logprobs=True, top_logprobs=3, n=2)
+    by_choice: dict[int, list] = {}
+    for c in stream:
+        for ch in c.choices:
+            by_choice.setdefault(ch.index, []).append(ch)
+    assert sorted(by_choice) == [0, 1]
+    for parts in by_choice.values():
+        assert parts[0].delta.role == "assistant" and parts[-1].finish_reason in ("stop", "length")
+        tokens = [t for p in parts if p.logprobs for t in p.logprobs.content]
+        assert tokens and all(len(t.top_logprobs) == 3 for t in tokens)
+        assert all(t.top_logprobs[0].logprob >= t.logprob - 1e-5 for t in tokens)    # the most likely first
+
+    full = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=8, n=3, stop=["\n"], temperature=1.0)
+    assert len(full.choices) == 3 and all("\n" not in c.message.content for c in full.choices)
+
+    for bad in ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+                {"presence_penalty": 0.5}, {"logit_bias": {"5": 1}}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, **bad)
+        assert next(iter(bad)) in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.completions.create(model=model.id, prompt="1", max_tokens=2, frequency_penalty=1.0)
+
+
 def test_reload_from_disk_bumps_version_and_keeps_requests(tiny_model, tiny_model_v2, tmp_path_factory):
     from transformers import AutoModelForCausalLM
     srv = start_server(tiny_model, tmp_path_factory)
