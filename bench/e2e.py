@@ -47,16 +47,6 @@ PHASES = {"wait_s": "time/wait_for_data_s", "train_s": "time/train_s", "weight_s
           "push_s": "time/push_s"}
 
 
-def compose_job(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import trainer_bridge.train  # noqa: F401  registers the "schema" node the defaults list names
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose(config_name="config", overrides=overrides)
-    return OmegaConf.to_object(cfg)
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -87,6 +77,7 @@ def steps_seconds(records: list[dict]) -> float:
 
 def run_one(mode: str, args, root: Path, model_path: Path) -> tuple[dict, list[dict], float]:
     from trainer_bridge.run import run
+    from trainer_bridge.train import compose_job
 
     run_dir = root / mode
     overrides = [

@@ -23,7 +23,8 @@ except OSError:
 optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
 
 cfg = BackendConfig(model_path=path, task=TaskConfig(name="copy", num_digits=2),
-                    rollout=RolloutConfig(group_size=8, batch_size=8, max_new_tokens=3, oversample=1.5))
+                    rollout=RolloutConfig(group_size=8, batch_size=8, max_new_tokens=3, oversample=1.5,
+                                          use_chat_template="false"))   # raw "copy:12=" prompts
 with RolloutBackend(cfg) as backend:
     backend.start(model)                                          # initial weights, version 0
     for step in range(steps):

@@ -39,6 +39,7 @@ class RolloutConfig:
     ignore_eos: bool = False
     group_filter: str = "all_equal"     # all_equal (DAPO dynamic sampling) | none | module:function
     filter_patience: int = 0            # after this many filter drops for one batch, keep what it rejects (0: never)
+    rollout_fn: str = "single_turn"     # single_turn | module:function (async (sample, ctx) -> sample), e.g. multi-turn
     use_chat_template: str = "auto"     # auto (when the tokenizer has a chat template) | true | false
     request_timeout_s: float = 600.0
     max_request_retries: int = 3        # moves of one request to another server after failures

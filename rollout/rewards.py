@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import sys
 from typing import Awaitable, Callable
 
 from rollout.types import Sample
@@ -12,13 +14,26 @@ RewardFn = Callable[[Sample], Awaitable[float]]
 _NUMBER = re.compile(r"-?\d[\d,]*\.?\d*(?:[eE][-+]?\d+)?|-?\.\d+")
 
 
+def import_module(module: str):
+    """Import `module`, also from the working directory (as `python -m` would): an entry-point
+    script like riptide-train does not put it on sys.path."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        cwd = os.getcwd()
+        if cwd in sys.path or not (e.name or "").split(".")[0] == module.split(".")[0]:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module)
+
+
 def load_callable(spec: str):
     """'package.module:function' -> the function; a clear error when it is not there."""
     if ":" not in spec:
         raise ValueError(f"{spec!r}: expected 'module:function'")
     module, name = spec.split(":", 1)
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{spec!r} cannot be loaded: {e}") from None
     if not callable(fn):

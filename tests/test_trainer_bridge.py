@@ -269,6 +269,39 @@ def test_a_dead_server_does_not_end_the_job(tmp_path):
     assert victim not in servers_of(tmp_path)
 
 
+def test_a_multi_turn_rollout_fn_from_the_config_masks_its_tool_output(tmp_path):
+    """rollout.rollout_fn=module:function (the worked example in examples/): the tool's output sits in
+    the context with loss_mask 0 and no behaviour logprob, the model's turns around it are trained on."""
+    from rollout.agent import get_rollout_fn
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig, RolloutBackend
+    from trainer_bridge.config import TaskConfig
+    from trainer_bridge.run import ensure_model
+    from trainer_bridge.train import compose_job
+    job = compose_job([f"model.path={tmp_path / 'model'}", "task=add", f"run_dir={tmp_path / 'run'}",
+                       "rollout.rollout_fn=examples.tool_rollout:calculator",
+                       "task.reward=examples.tool_rollout:final_answer", "rollout.max_new_tokens=8"])
+    path = ensure_model(job)
+    cfg = BackendConfig(model_path=path, task=TaskConfig(name="add", num_digits=2,
+                                                         reward="examples.tool_rollout:final_answer"),
+                        rollout=RolloutConfig(group_size=4, batch_size=2, max_new_tokens=8, use_chat_template="false"))
+    with RolloutBackend(cfg, rollout_fn=get_rollout_fn(job.rollout.rollout_fn)) as backend:
+        backend.start()
+        batch = backend.next_batch()
+    for row, s in enumerate(batch.samples):
+        a, b = (int(x) for x in s.prompt[4:-1].split("+"))
+        tool = f"[{a + b}]"
+        assert tool in s.response_text, s.response_text
+        tool_ids = backend.tokenizer(tool, add_special_tokens=False).input_ids
+        start = next(i for i in range(len(s.response_ids)) if s.response_ids[i:i + len(tool_ids)] == tool_ids)
+        assert s.loss_mask[start:start + len(tool_ids)] == [0] * len(tool_ids)
+        assert s.versions[start:start + len(tool_ids)] == [-1] * len(tool_ids)
+        assert sum(s.loss_mask) == len(s.response_ids) - len(tool_ids) > 0       # both model turns are trained
+        p = len(s.prompt_ids)
+        assert batch.loss_mask[row, p + start:p + start + len(tool_ids)].sum() == 0
+    assert job.rollout.rollout_fn == "examples.tool_rollout:calculator" and job.task.name == "add"
+
+
 def test_attach_example_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "attach_own_trainer.py"), "3"], cwd=tmp_path,

@@ -16,10 +16,10 @@ def callable_problem(name: str, spec: str, builtin: tuple = ()) -> str | None:
         return None
     if ":" not in spec:
         return f"{name}={spec!r}: use module:function" + (f" or one of {', '.join(builtin)}" if builtin else "")
-    import importlib
+    from rollout.rewards import import_module
     module, _, attr = spec.partition(":")
     try:
-        fn = getattr(importlib.import_module(module), attr)
+        fn = getattr(import_module(module), attr)
     except Exception as e:       # noqa: BLE001  any import failure is the user's to see, named
         return f"{name}={spec!r}: cannot load it ({type(e).__name__}: {e})"
     return None if callable(fn) else f"{name}={spec!r} is not a function"
@@ -286,9 +286,12 @@ class JobConfig:
             problem = device_problem(name, device)
             if problem:
                 out.append(problem)
-        problem = resume_problem(self.trainer.resume, Path(self.run_dir))
-        if problem:
-            out.append(problem)
+        for problem in (resume_problem(self.trainer.resume, Path(self.run_dir)),
+                        callable_problem("rollout.rollout_fn", self.rollout.rollout_fn, builtin=("single_turn",)),
+                        callable_problem("rollout.group_filter", self.rollout.group_filter,
+                                         builtin=("all_equal", "none"))):
+            if problem:
+                out.append(problem)
         return out
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
 from trainer_bridge.backend import BackendConfig, RolloutBackend
 from trainer_bridge.batch import TrainBatch
@@ -112,7 +113,8 @@ def run(job: JobConfig) -> dict:
                                            normalize_std=job.trainer.normalize_std, seed=job.seed,
                                            overlong_buffer=job.trainer.overlong_buffer,
                                            overlong_penalty=job.trainer.overlong_penalty,
-                                           log_dir=str(run_dir / "logs")))
+                                           log_dir=str(run_dir / "logs")),
+                             rollout_fn=get_rollout_fn(job.rollout.rollout_fn))
     first_step = 0
     if resume is not None:
         first_step, rollout_state = trainer.load(resume)

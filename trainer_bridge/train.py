@@ -116,6 +116,14 @@ def to_job(cfg: DictConfig) -> JobConfig:
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 
 
+def compose_job(overrides: list[str]) -> JobConfig:
+    """The job `riptide-train *overrides` would run, composed from configs/ with Hydra's compose API
+    and checked (for scripts, benches and tests)."""
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return to_job(compose(config_name="config", overrides=overrides))
+
+
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     from trainer_bridge.run import SIGNAL, Stopped, run, stop_on_signal
