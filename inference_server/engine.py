@@ -22,7 +22,7 @@ import torch
 
 from inference_server import weights
 from inference_server.device import choose_device, choose_dtype, usable_cores
-from inference_server.model_runner import make_runner
+from inference_server.model_runner import DecoderRunner, make_runner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Sequence
@@ -49,11 +49,13 @@ class EngineArgs:
     load_weights: bool = True              # False: build from config; weights arrive from a peer (version -1)
     cpu_threads: int | None = None         # CPU device: intra-op threads of a step (None: cores - 1)
     cpu_split: bool = True                 # CPU, 1 thread a step, >= 2 cores: big steps run as two halves
+    prefix_share: bool = True              # a prompt already in the KV cache (a GRPO group's n samples) is copied, not prefilled
 
 
 @dataclass
 class EngineStats:
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0                 # prefilled (computed)
+    shared_prompt_tokens: int = 0          # copied from a running sequence with the same prompt instead
     generation_tokens: int = 0
     finished_requests: int = 0
     aborted_requests: int = 0
@@ -117,6 +119,8 @@ class Engine:
         split = args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2
         self.runner = make_runner(self.model, args.max_running_requests, self.context_length,
                                   split_threads=1 if split else None)
+        if isinstance(self._kv_runner, DecoderRunner):
+            self._kv_runner.share_prompts = args.prefix_share
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
@@ -159,18 +163,54 @@ class Engine:
         if self._slots_dirty:
             self._sort_slots()
         decode, prefill = self.scheduler.schedule()
+        if prefill and decode and self.args.prefix_share and isinstance(self._kv_runner, DecoderRunner):
+            decode, prefill = self._share_prompts(decode, prefill)
         seqs = decode + prefill
         if not seqs:
             return
         for s in prefill:
             s.prefill_version = self.version
         self._slots_dirty = self._slots_dirty or bool(prefill)
-        self.stats.prompt_tokens += sum(s.num_tokens for s in prefill)
+        total = sum(s.num_tokens for s in prefill)
+        if prefill and getattr(self._kv_runner, "share_prompts", False):    # one step's duplicates are computed once
+            computed = sum({tuple(s.all_ids): s.num_tokens for s in prefill}.values())
+            self.stats.shared_prompt_tokens += total - computed
+            total = computed
+        self.stats.prompt_tokens += total
         tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
         self._postprocess(seqs, tokens, logprobs)
         self.stats.steps += 1
         self.stats.generation_tokens += len(seqs)
         self.stats.busy_seconds += time.perf_counter() - t0
+
+    @property
+    def _kv_runner(self):
+        return getattr(self.runner, "runner", self.runner)       # SplitStepRunner wraps a DecoderRunner
+
+    def _share_prompts(self, decode: list[Sequence], prefill: list[Sequence]) -> tuple[list, list]:
+        """Newcomers whose prompt a running sequence already holds in the KV cache, computed under
+        the current weights (the other samples of a GRPO group, sent a moment earlier): copy its
+        KV of the prompt but the last token into their slots and let them join as decode rows, which
+        compute that last token as a decode step does. Their slots move up to follow the decode
+        rows (running slots stay a dense prefix: decode rows, then the prefills)."""
+        donors = {}
+        for d in decode:
+            if d.prefill_version == self.version and d.slot is not None:
+                donors.setdefault(tuple(d.prompt_ids), d)
+        shared = [p for p in prefill if not p.output_ids and len(p.prompt_ids) > 1 and tuple(p.prompt_ids) in donors]
+        if not shared:
+            return decode, prefill
+        rest = [p for p in prefill if p not in shared]
+        b = len(decode)
+        self.scheduler.running[b:] = shared + rest
+        for slot, seq in enumerate(self.scheduler.running[b:], start=b):
+            seq.slot = slot
+        for p in shared:
+            self._kv_runner.move(donors[tuple(p.prompt_ids)].slot, p.slot, len(p.prompt_ids) - 1)
+            p.prefill_version = self.version
+            self.stats.shared_prompt_tokens += len(p.prompt_ids) - 1
+            self.stats.prompt_tokens += 1                     # its last prompt token is computed
+        return decode + shared, rest
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
         for seq, token, logprob in zip(seqs, tokens, logprobs):

@@ -38,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")
     p.add_argument("--no-cpu-split", dest="cpu_split", action="store_false",
                    help="CPU with one torch thread a step: do not run big steps as two halves on two threads")
+    p.add_argument("--no-prefix-share", dest="prefix_share", action="store_false",
+                   help="prefill every request's prompt, even one a running request already holds (for comparison)")
     p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                                max_running_requests=a.max_running_requests, context_length=a.context_length,
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                                weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
+                               prefix_share=a.prefix_share,
                                load_weights=a.weights_from_peer is None))
     receiver = Receiver(EnginePort(engine), functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
                                                               a.weight_sync_protocol, a.weight_sync_device),

@@ -14,6 +14,8 @@ class _EngineCollector:
         running, waiting = e.counts()
         for name, doc, value in (
             ("riptide_prompt_tokens", "Prompt tokens prefilled", s.prompt_tokens),
+            ("riptide_shared_prompt_tokens", "Prompt tokens copied from a running request's KV cache instead",
+             s.shared_prompt_tokens),
             ("riptide_generation_tokens", "Tokens generated", s.generation_tokens),
             ("riptide_requests_finished", "Sequences finished, aborts included", s.finished_requests),
             ("riptide_requests_aborted", "Sequences aborted", s.aborted_requests),

@@ -109,6 +109,7 @@ class DecoderRunner:
                               self.head_dim, param.dtype, param.device)
         self._plan_key: tuple = ()
         self._cuts: list[tuple[int, int]] = []
+        self.share_prompts = True        # newcomers of one step with the same tokens are computed once
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.decoder.rotary_emb(x, positions[None])
@@ -156,7 +157,14 @@ class DecoderRunner:
         ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
         pos = list(pos)                              # extended below by the newcomers' positions
         spans = []                                   # (seq, first row, length) of each newcomer
+        copies = []                                  # (seq, span index): the same tokens as that newcomer
+        first: dict[tuple, int] = {}
         for s in prefill:
+            key = tuple(s.all_ids)
+            if self.share_prompts and key in first:  # a GRPO group's samples: compute the prompt once
+                copies.append((s, first[key]))
+                continue
+            first[key] = len(spans)
             spans.append((s, len(ids), s.num_tokens))
             ids += s.all_ids
             pos += range(s.num_tokens)
@@ -193,11 +201,17 @@ class DecoderRunner:
                 o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                    scale=self.scaling, enable_gqa=True)
                 out[start:start + n] = o[0].transpose(0, 1)
+            for s, i in copies:
+                _, start, n = spans[i]
+                self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
             return out.flatten(1)
 
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
-        rows = list(range(b)) + [start + n - 1 for _, start, n in spans]
-        return self._logits(x[torch.tensor(rows, device=self.device)] if spans else x)
+        last = {id(s): start + n - 1 for s, start, n in spans}
+        for s, i in copies:
+            last[id(s)] = spans[i][1] + spans[i][2] - 1
+        rows = list(range(b)) + [last[id(s)] for s in prefill]
+        return self._logits(x[torch.tensor(rows, device=self.device)] if prefill else x)
 
     def plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
         """plan_chunks for this step. Every running row grows by one token a step, so the cut points

@@ -168,3 +168,44 @@ def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
             s.output_ids.append(t)
             got.append(runner.forward([s], [])[0])
     assert torch.allclose(torch.stack(got), want[29:39], atol=1e-5)
+
+
+def test_a_groups_samples_share_the_prompts_prefill_and_sample_the_same(tiny_model):
+    """GRPO sends a prompt n times. With prefix sharing the engine computes that prompt once per
+    step it arrives in, and copies its KV cache to later arrivals while the first runs: prefill
+    tokens per group fall from n x prompt to about one prompt, and every sample's tokens and
+    logprobs are the ones a separate prefill gives (seeded sampling)."""
+    import threading
+
+    from inference_server.engine import Engine, EngineArgs
+    from inference_server.sequence import SamplingParams, Sequence
+
+    prompt = list(range(20, 60))                      # 40 tokens
+
+    def group(share: bool) -> tuple[list, int, int]:
+        engine = Engine(EngineArgs(tiny_model, context_length=256, prefix_share=share, cpu_split=False))
+        engine.start()
+        try:
+            seqs, done = [], threading.Semaphore(0)
+            for wave in ([0, 1, 2], [3], [4, 5, 6, 7]):   # arrivals spread over steps, as HTTP requests come
+                batch = [Sequence(f"s{i}", list(prompt), SamplingParams(max_new_tokens=24, seed=i, ignore_eos=True),
+                                  on_update=lambda s: s.finished and done.release()) for i in wave]
+                seqs += batch
+                engine.add(batch)
+                if wave[0] == 0:
+                    while engine.stats.steps < 2:          # the first wave is decoding when the rest arrive
+                        threading.Event().wait(0.005)
+            for _ in seqs:
+                assert done.acquire(timeout=60)
+            return [(s.output_ids, s.output_logprobs) for s in seqs], engine.stats.prompt_tokens, \
+                engine.stats.shared_prompt_tokens
+        finally:
+            engine.shutdown()
+
+    shared, computed, copied = group(True)
+    alone, computed_alone, copied_alone = group(False)
+    assert computed_alone == 8 * len(prompt) and copied_alone == 0
+    assert computed < 2 * len(prompt) + 8 and computed + copied == 8 * len(prompt)
+    for (ids, lps), (ids0, lps0) in zip(shared, alone):
+        assert ids == ids0
+        assert max(abs(a - b) for a, b in zip(lps, lps0)) < 1e-3
