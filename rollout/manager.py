@@ -277,14 +277,20 @@ class RolloutManager:
         rids = [rid for rid in self.inflight if rid not in skip]
         policy = self.cfg.update_policy
         if policy is UpdatePolicy.abort_all:
+            self.metrics.policy_aborts += bool(rids)
             return rids
         # abort_furthest, only while rollout is a batch ahead of the trainer (the next two batches
         # ready): short of that the trainer will wait on these very requests, and an abort would add
         # their re-prefill to its wait; a batch ahead, rollout has time to spare, and it goes to
         # redoing the longest requests' remaining tokens under the new weights.
-        if policy is UpdatePolicy.abort_furthest and self.staleness.ahead(self.ready, self.trainer_version):
+        if policy is UpdatePolicy.abort_furthest and rids:
+            if not self.staleness.ahead(self.ready, self.trainer_version):
+                self.metrics.policy_held += 1
+                return []
             rids.sort(key=self.requests.tokens_left, reverse=True)
-            return rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
+            chosen = rids[:math.ceil(len(rids) * self.cfg.abort_fraction)]
+            self.metrics.policy_aborts += bool(chosen)
+            return chosen
         return []
 
     def _spawn(self, coro, name: str) -> asyncio.Task:

@@ -23,6 +23,9 @@ class RolloutMetrics:
     groups_failed: int = 0         # groups whose requests or reward failed (each retried, or dropped)
     last_error: str = ""           # what the last failed group failed with
     requests_doomed: int = 0       # in-flight requests stopped early: their group already broke the bound
+    policy_aborts: int = 0         # weight updates at which the update policy aborted requests (partial rollout)
+    policy_held: int = 0           # abort_furthest updates with requests in flight that aborted none: rollout
+                                   # was not a batch ahead, so the trainer would have waited on the re-prefill
     tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
 
     def snapshot(self) -> dict:

@@ -46,7 +46,7 @@ def wandb_mode(cfg: LoggerConfig) -> str:
 
 class Monitor:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0):
-        self.cfg, self.run_dir = cfg, Path(run_dir)
+        self.cfg, self.run_dir, self.config = cfg, Path(run_dir), config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_steps(first_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
@@ -88,6 +88,16 @@ class Monitor:
                 self.run.alert(title="riptide", text=message, level="WARN")
             except Exception:        # noqa: BLE001  offline runs may not take alerts: the summary holds it
                 pass
+
+    def note(self, message: str) -> None:
+        """Worth knowing, not wrong: on the console and in wandb's summary."""
+        line = f"riptide: {message}"
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+        if self.run is not None:
+            self.run.summary["notes"] = [*self.run.summary.get("notes", []), message]
 
     def _run_id(self) -> str:
         path = self.run_dir / "wandb_run_id"
@@ -136,16 +146,43 @@ class Monitor:
         return plot
 
     def plot(self) -> str:
+        """curves.png: reward and accuracy (raw and smoothed), response length, staleness and
+        throughput, over the whole run (a resumed run included), titled with the task and the run."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        steps = [r["step"] for r in self.history]
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-        a.plot(steps, [r.get("reward/mean", 0) for r in self.history], label="reward mean")
-        a.set_xlabel("step"), a.set_ylabel("reward"), a.set_title("reward"), a.grid(alpha=0.3)
-        b.plot(steps, [r.get("rollout/tokens_per_s", 0) for r in self.history], label="rollout tokens/s")
-        b.plot(steps, [r.get("train/trainer_tokens_per_s", 0) for r in self.history], label="trainer tokens/s")
-        b.set_xlabel("step"), b.set_title("throughput"), b.legend(), b.grid(alpha=0.3)
+        h = self.history
+        steps = [r["step"] for r in h]
+
+        def series(key: str) -> list[float]:
+            return [r.get(key, float("nan")) for r in h]
+
+        def smooth(values: list[float], k: int = 10) -> list[float]:
+            out, window = [], []
+            for v in values:
+                window = (window + [v])[-k:]
+                out.append(sum(window) / len(window))
+            return out
+
+        fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(12, 7.5))
+        for key, label, color in (("reward/mean", "reward", "C0"), ("reward/accuracy", "accuracy", "C1")):
+            values = series(key)
+            a.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+            a.plot(steps, smooth(values), color=color, label=f"{label} (10-step mean)")
+        a.set(xlabel="step", ylabel="reward / accuracy", title="reward")
+        b.plot(steps, series("response/length_mean"), label="mean response length")
+        b.set(xlabel="step", ylabel="tokens", title="response length")
+        c.plot(steps, series("max_staleness"), label="max staleness (versions)", drawstyle="steps-post")
+        c.plot(steps, series("rollout/inflight"), label="requests in flight", alpha=0.6)
+        c.set(xlabel="step", title="staleness and in-flight requests")
+        d.plot(steps, series("rollout/tokens_per_s"), label="generated tokens/s (servers)")
+        d.plot(steps, series("train/trainer_tokens_per_s"), label="trained tokens/s (trainer)")
+        d.set(xlabel="step", ylabel="tokens/s", title="throughput")
+        for ax in (a, b, c, d):
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        task = self.config.get("task", {}).get("name", "?") if isinstance(self.config, dict) else "?"
+        fig.suptitle(f"{task} - {self.run_dir.name} (steps {steps[0] if steps else 0}-{steps[-1] if steps else 0})")
         fig.tight_layout()
         path = self.run_dir / "curves.png"
         fig.savefig(path, dpi=100)

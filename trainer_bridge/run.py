@@ -55,6 +55,7 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "rollout/inflight": r["inflight"], "rollout/tokens_aborted": r["tokens_aborted"],
            "rollout/tokens_resumed": r["tokens_resumed"], "rollout/tokens_wasted": r["tokens_wasted"],
            "rollout/retries": r["retries"], "rollout/max_staleness": r["max_staleness"],
+           "rollout/policy_aborts": r["policy_aborts"], "rollout/policy_held": r["policy_held"],
            "time/wait_for_data_s": seconds["wait"], "time/train_s": seconds["train"],
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
@@ -149,11 +150,26 @@ def run(job: JobConfig) -> dict:
                 else latest_checkpoint(run_dir)
             raise Stopped(SIGNAL["number"], done, path)
         trainer.save(ckpt_dir, job.trainer.steps, backend.state_dict(), backend.tokenizer)
+        note = partial_rollout_note(job, monitor.history[-1] if monitor.history else {})
+        if note:
+            monitor.note(note)
     finally:
         IN_STEP.clear()
         backend.close()
         plot = monitor.finish()
     return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
+
+
+def partial_rollout_note(job: JobConfig, last: dict) -> str | None:
+    """Why partial rollout did not fire, when it did not (abort_furthest aborts only while rollout
+    is a batch ahead of the trainer)."""
+    if job.mode != "async" or job.rollout.update_policy.value != "abort_furthest" or last.get("rollout/policy_aborts"):
+        return None
+    held = int(last.get("rollout/policy_held", 0))
+    return (f"partial rollout (abort_furthest) aborted nothing: at {held} weight updates with requests in flight, "
+            f"rollout was not a batch ahead of the trainer (the trainer waited on generation, and an abort would "
+            f"have added a re-prefill to that wait). It fires when generation outpaces training: a larger "
+            f"rollout.oversample, more servers, or longer train steps; update_policy=abort_all always aborts.")
 
 
 def save_config(job: JobConfig, run_dir: Path) -> Path:
