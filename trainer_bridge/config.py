@@ -170,7 +170,7 @@ class ClusterConfig:
 @dataclass
 class TrainerConfig:
     steps: int = f(200, "training steps (one rollout batch and one optimizer step each)")
-    lr: float = f(2e-3, "AdamW learning rate (the peak, with a schedule)")
+    lr: float = f(1e-3, "AdamW learning rate (the peak, with a schedule)")
     lr_schedule: str = f("constant", "constant | cosine | linear: decay from lr to lr * min_lr_ratio by the last step")
     lr_warmup_steps: int = f(0, "steps of linear warm-up from lr / warmup to lr")
     min_lr_ratio: float = f(0.1, "cosine/linear: the last step's lr as a fraction of lr")
