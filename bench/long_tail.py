@@ -329,7 +329,8 @@ async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity:
             "drops": dict(mt.drops), "stale_dropped": mt.stale_dropped,
             "mean_len": tokens / max(trained, 1), "consumed_groups": m.consumed_groups - consumed0,
             "mean_inflight_at_batch": statistics.mean(inflight_samples) if inflight_samples else 0,
-            "server_version_end": s1["weight_version"], "drops_last": last_metrics.get("drops", {})}
+            "server_version_end": s1["weight_version"], "drops_last": last_metrics.get("drops", {}),
+            "lengths": mt.lengths.snapshot()}
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -403,6 +404,13 @@ async def bench(args, urls, path) -> dict:
         "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
         "staleness_bound": async_cfg.max_staleness,
         "samples_lost": asyn["samples_lost"],
+        # the length bias: mean trained response length / mean generated length of finished samples
+        "length_bias": round(asyn["lengths"]["length_bias"], 4),
+        "trained_mean_len": round(asyn["lengths"]["trained_mean_len"], 1),
+        "generated_mean_len": round(asyn["lengths"]["generated_mean_len"], 1),
+        "tokens_dropped_by_length": {b: row["dropped_stale"] + row["dropped_filtered"] + row["dropped_failed"]
+                                     for b, row in asyn["lengths"]["tokens_by_length"].items()},
+        "sync_length_bias": round(sync["lengths"]["length_bias"], 4),
         "samples_dropped_stale": asyn["samples_dropped"],
         "tokens_wasted_fraction": round(asyn["tokens_wasted"] / max(asyn["tokens_generated"], 1), 4),
         "tokens_wasted_fraction_server": round(1 - asyn["tokens_kept"] / max(asyn["server_gen_total"], 1), 4),

@@ -168,6 +168,7 @@ class RolloutManager:
             log.warning("reward function failed on sample %s: %r", sample.uid, e)
             sample.status, sample.error = SampleStatus.FAILED, f"reward function raised {e!r}"
         self.metrics.samples_finished += 1
+        self.metrics.lengths.finished(sample)
 
     def _refused_config(self, sample: Sample, error: RequestRefused) -> None:
         """The server refuses the rollout config itself (e.g. max_new_tokens past its context): every
@@ -212,6 +213,7 @@ class RolloutManager:
         group.retries += 1
         self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
         for s in group.samples:
+            self.metrics.lengths.dropped(s, "failed")
             s.reset()
             s.num_retries = 0
         self.resume.append(group)
@@ -221,6 +223,9 @@ class RolloutManager:
             self.on_drop(group, reason)
         self.metrics.drops[getattr(reason, "value", reason)] += 1
         self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
+        kind = {DropReason.STALE: "stale", DropReason.FAILED: "failed"}.get(reason, "filtered")
+        for s in group.samples:
+            self.metrics.lengths.dropped(s, kind)
         if reason is DropReason.STALE:
             self.metrics.stale_dropped += len(group.samples)
             if self.cfg.stale_policy is StalePolicy.regenerate:
@@ -253,6 +258,9 @@ class RolloutManager:
             await self._wake_consumer.wait()
         groups = [self.ready.popleft() for _ in range(self.cfg.batch_size)]
         self.consumed_groups += len(groups)
+        for g in groups:
+            for s in g.samples:
+                self.metrics.lengths.trained(s)
         self._filtered = 0
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}

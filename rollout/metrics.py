@@ -8,6 +8,65 @@ from dataclasses import dataclass, field
 from rollout.types import Group
 
 
+LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def length_bucket(n: int) -> str:
+    """The bucket of a response of n generated tokens: '<=16', '<=32', ..., '>4096'."""
+    return next((f"<={b}" for b in LENGTH_BUCKETS if n <= b), f">{LENGTH_BUCKETS[-1]}")
+
+
+class LengthLedger:
+    """Where every finished sample went, by response length: generated (it finished generating),
+    then trained (handed to the trainer) or dropped (stale, filtered, failed: its group was thrown
+    away or restarted); until then pending. Per bucket, samples and tokens add up:
+    generated = trained + dropped + pending. `length_bias` = mean trained length / mean generated
+    length: below 1 when the long samples are the ones that get dropped."""
+
+    KINDS = ("generated", "trained", "dropped_stale", "dropped_filtered", "dropped_failed")
+
+    def __init__(self):
+        self.samples = {k: collections.Counter() for k in self.KINDS}
+        self.tokens = {k: collections.Counter() for k in self.KINDS}
+        self.pending: dict[str, int] = {}            # sample uid -> generated tokens
+
+    def _add(self, kind: str, n: int) -> None:
+        b = length_bucket(n)
+        self.samples[kind][b] += 1
+        self.tokens[kind][b] += n
+
+    def finished(self, sample) -> None:
+        if sample.uid not in self.pending:
+            self.pending[sample.uid] = sample.num_generated
+            self._add("generated", sample.num_generated)
+
+    def trained(self, sample) -> None:
+        self.finished(sample)                         # (one restored from a checkpoint was generated before)
+        self._add("trained", self.pending.pop(sample.uid))
+
+    def dropped(self, sample, reason: str) -> None:
+        if sample.uid in self.pending:                # only finished samples: unfinished ones are in tokens_wasted
+            kind = f"dropped_{reason}" if f"dropped_{reason}" in self.samples else "dropped_filtered"
+            self._add(kind, self.pending.pop(sample.uid))
+
+    def mean(self, kind: str) -> float:
+        count = sum(self.samples[kind].values())
+        return sum(self.tokens[kind].values()) / count if count else 0.0
+
+    def snapshot(self) -> dict:
+        generated, trained = self.mean("generated"), self.mean("trained")
+        buckets = sorted(set().union(*self.samples.values()), key=lambda b: (b.startswith(">"), int(b.strip("<=>"))))
+        pending = collections.Counter(length_bucket(n) for n in self.pending.values())
+        pending_tokens = collections.Counter()
+        for n in self.pending.values():
+            pending_tokens[length_bucket(n)] += n
+        return {"length_bias": trained / generated if generated and trained else 1.0,
+                "generated_mean_len": generated, "trained_mean_len": trained,
+                "by_length": {b: {**{k: self.samples[k][b] for k in self.KINDS}, "pending": pending[b]} for b in buckets},
+                "tokens_by_length": {b: {**{k: self.tokens[k][b] for k in self.KINDS}, "pending": pending_tokens[b]}
+                                     for b in buckets}}
+
+
 @dataclass
 class RolloutMetrics:
     """Running totals; `BatchReport` turns them into per-batch differences and gauges."""
@@ -27,10 +86,12 @@ class RolloutMetrics:
     policy_held: int = 0           # abort_furthest updates with requests in flight that aborted none: rollout
                                    # was not a batch ahead, so the trainer would have waited on the re-prefill
     tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
+    lengths: LengthLedger = field(default_factory=LengthLedger)
 
     def snapshot(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("drops", "tokens_by_server")}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("drops", "tokens_by_server", "lengths")}
         d["drops"] = dict(self.drops)
+        d.update(self.lengths.snapshot())
         return d
 
 

@@ -150,6 +150,17 @@ def test_staleness_bound_at_consumption(servers, tokenizer):
         return m
     m = run(main())
     assert not m.ready and m.metrics.drops["stale"] >= 2 and m.metrics.stale_dropped >= 8
+    lengths = m.metrics.lengths.snapshot()
+    assert sum(b["dropped_stale"] for b in lengths["by_length"].values()) >= 8
+    assert_lengths_add_up(lengths)
+
+
+def assert_lengths_add_up(snapshot: dict) -> None:
+    """generated = trained + dropped + pending, in samples and in tokens, in every length bucket."""
+    for table in (snapshot["by_length"], snapshot["tokens_by_length"]):
+        for bucket, row in table.items():
+            out = row["trained"] + row["dropped_stale"] + row["dropped_filtered"] + row["dropped_failed"] + row["pending"]
+            assert row["generated"] == out, (bucket, row)
 
 
 def test_staleness_bound_at_admission(servers, tokenizer, tiny_model):
@@ -438,6 +449,33 @@ def test_filter_patience_keeps_groups_when_every_group_lacks_signal(servers, tok
     groups, metrics = run(main())
     assert len(groups) == 2 and metrics["drops"]["all_equal_rewards"] >= 3
     assert metrics["kept_past_patience"] >= 2
+    assert sum(b["dropped_filtered"] for b in metrics["by_length"].values()) >= 3 * 4
+    assert sum(b["trained"] for b in metrics["by_length"].values()) == 2 * 4
+    assert_lengths_add_up(metrics)
+
+
+def test_the_length_ledger_shows_which_lengths_are_dropped():
+    """Long samples dropped as stale pull length_bias below 1; every sample is accounted for."""
+    from rollout.metrics import LengthLedger
+    from rollout.types import Sample
+    ledger = LengthLedger()
+    samples = []
+    for i, n in enumerate([10, 10, 100, 100, 1000, 1000]):
+        s = Sample("g", i, [1, 2], "p", "a")
+        s.append_generated(list(range(n)), [0.0] * n, [0] * n)
+        samples.append(s)
+        ledger.finished(s)
+    for s in samples[:4]:
+        ledger.trained(s)
+    ledger.dropped(samples[4], "stale")
+    ledger.dropped(samples[4], "stale")            # once only
+    snap = ledger.snapshot()
+    assert snap["generated_mean_len"] == 370 and snap["trained_mean_len"] == 55
+    assert abs(snap["length_bias"] - 55 / 370) < 1e-9
+    assert snap["by_length"]["<=1024"] == {"generated": 2, "trained": 0, "dropped_stale": 1, "dropped_filtered": 0,
+                                           "dropped_failed": 0, "pending": 1}
+    assert snap["tokens_by_length"]["<=16"]["trained"] == 20
+    assert_lengths_add_up(snap)
 
 
 def frozen(pid):

@@ -62,6 +62,9 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "sync/egress_bytes": sync.egress_bytes,
            "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
            **({"reward/overlong_penalty": r["overlong_penalty_mean"]} if "overlong_penalty_mean" in r else {}),
+           "length/bias": r["length_bias"], "length/generated_mean": r["generated_mean_len"],
+           "length/trained_mean": r["trained_mean_len"],
+           **{f"length/{b}/{k}": v for b, row in r["by_length"].items() for k, v in row.items()},
            **{k: v for k, v in r.items() if k.startswith("fleet/")},
            **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r["tokens_per_s_by_server"].items()}}
     out.update({f"train/{k}": v for k, v in train.items()})
