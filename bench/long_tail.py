@@ -410,7 +410,6 @@ async def bench(args, urls, path) -> dict:
         "generated_mean_len": round(asyn["lengths"]["generated_mean_len"], 1),
         "tokens_dropped_by_length": {b: row["dropped_stale"] + row["dropped_filtered"] + row["dropped_failed"]
                                      for b, row in asyn["lengths"]["tokens_by_length"].items()},
-        "sync_length_bias": round(sync["lengths"]["length_bias"], 4),
         "samples_dropped_stale": asyn["samples_dropped"],
         "tokens_wasted_fraction": round(asyn["tokens_wasted"] / max(asyn["tokens_generated"], 1), 4),
         "tokens_wasted_fraction_server": round(1 - asyn["tokens_kept"] / max(asyn["server_gen_total"], 1), 4),

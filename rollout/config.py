@@ -15,9 +15,17 @@ request resumes at once under the new weights."""
 
 
 class StalePolicy(str, enum.Enum):
-    """What happens to a group that can no longer be consumed within max_staleness."""
+    """What happens to a group that can no longer be consumed within max_staleness.
+
+    drop: thrown away (its tokens are wasted; long samples are the likeliest to go, see length_bias).
+    regenerate: its samples restart from the prompt under the newest weights.
+    keep: consumed anyway; the loss corrects each token by its behaviour logprob (decoupled PPO /
+    truncated IS), and tokens more than max_token_age versions old are masked (loss_mask 0), not
+    the whole sample. max_staleness then only paces admission (capacity). Use it when long
+    responses matter and a token-level correction is acceptable."""
     drop = "drop"
     regenerate = "regenerate"           # its samples restart from the prompt
+    keep = "keep"                       # consumed; only tokens older than max_token_age are masked
 
 
 @dataclass
@@ -28,6 +36,7 @@ class RolloutConfig:
     oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
     max_staleness: int = 1              # how many versions behind the trainer any token may be
     stale_policy: StalePolicy = StalePolicy.drop
+    max_token_age: int = -1             # stale_policy keep: mask tokens more than this many versions old (-1: none)
     update_policy: UpdatePolicy = UpdatePolicy.abort_furthest
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
                                         # done, when the next two batches are ready (else none)
@@ -72,6 +81,7 @@ class RolloutConfig:
             (self.max_inflight >= 1, f"rollout.max_inflight={self.max_inflight}: must be >= 1"),
             (self.oversample >= 1.0, f"rollout.oversample={self.oversample}: must be >= 1.0 (1.0 = no oversampling)"),
             (self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness}: must be >= 0"),
+            (self.max_token_age >= -1, f"rollout.max_token_age={self.max_token_age}: must be >= 0, or -1 (no limit)"),
             (self.filter_patience >= 0, f"rollout.filter_patience={self.filter_patience}: must be >= 0"),
             (0.0 <= self.abort_fraction <= 1.0, f"rollout.abort_fraction={self.abort_fraction}: must be in [0, 1]"),
             (self.max_new_tokens >= 1, f"rollout.max_new_tokens={self.max_new_tokens}: must be >= 1"),

@@ -51,7 +51,7 @@ class RolloutManager:
         self.trainer_version = 0
         self.consumed_groups = 0
         self.metrics = RolloutMetrics()
-        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size)
+        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size, keep=cfg.stale_policy is StalePolicy.keep)
         self.requests = Requests(cfg, router, self.metrics, self.admit, lambda: self.trainer_version)
         self.running: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()
@@ -261,10 +261,24 @@ class RolloutManager:
         for g in groups:
             for s in g.samples:
                 self.metrics.lengths.trained(s)
+                self.metrics.tokens_masked_old += self._mask_old_tokens(s)
         self._filtered = 0
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
         return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
+
+    def _mask_old_tokens(self, sample: Sample) -> int:
+        """stale_policy keep: tokens more than max_token_age versions behind the trainer leave the
+        loss (loss_mask 0); the rest of the sample is trained on. Returns how many were masked."""
+        age = self.cfg.max_token_age
+        if self.cfg.stale_policy is not StalePolicy.keep or age < 0:
+            return 0
+        masked = 0
+        for i, v in enumerate(sample.versions):
+            if v >= 0 and sample.loss_mask[i] and self.trainer_version - v > age:
+                sample.loss_mask[i] = 0
+                masked += 1
+        return masked
 
     async def on_weights_updated(self, version: int, wait: bool = False) -> None:
         """The trainer published `version`: apply the in-flight policy; aborted samples resume on it.

@@ -82,6 +82,7 @@ class RolloutMetrics:
     groups_failed: int = 0         # groups whose requests or reward failed (each retried, or dropped)
     last_error: str = ""           # what the last failed group failed with
     requests_doomed: int = 0       # in-flight requests stopped early: their group already broke the bound
+    tokens_masked_old: int = 0     # stale_policy keep: trained-on tokens masked for being past max_token_age
     policy_aborts: int = 0         # weight updates at which the update policy aborted requests (partial rollout)
     policy_held: int = 0           # abort_furthest updates with requests in flight that aborted none: rollout
                                    # was not a batch ahead, so the trainer would have waited on the re-prefill

@@ -25,15 +25,17 @@ class StaleSample(Exception):
 
 
 class Staleness:
-    def __init__(self, max_staleness: int, batch_size: int):
-        self.bound, self.batch_size = max_staleness, batch_size
+    def __init__(self, max_staleness: int, batch_size: int, keep: bool = False):
+        """`keep` (stale_policy keep): the bound paces admission only; nothing is stopped or
+        refused for its age (the trainer masks tokens past max_token_age instead)."""
+        self.bound, self.batch_size, self.keep = max_staleness, batch_size, keep
         self._base = (0, 0)                  # trainer version and consumed groups at start()
 
     def start(self, trainer_version: int, consumed: int) -> None:
         self._base = (trainer_version, consumed)
 
     def consumable(self, group: Group, trainer_version: int) -> bool:
-        return group.staleness(trainer_version) <= self.bound
+        return self.keep or group.staleness(trainer_version) <= self.bound
 
     def may_start(self, trainer_version: int, consumed: int, in_progress: int) -> bool:
         base_version, base_consumed = self._base
@@ -43,7 +45,7 @@ class Staleness:
     def admit(self, trajectory: Group | Sample, trainer_version: int) -> None:
         """Raise StaleSample when `trajectory` (its group, or a sample outside any group) is past the bound."""
         age = trajectory.staleness(trainer_version)
-        if age > self.bound:
+        if age > self.bound and not self.keep:
             raise StaleSample(f"group {trajectory.group_id}: tokens from version {trainer_version - age}, "
                               f"trainer at {trainer_version}, bound {self.bound}")
 
@@ -53,6 +55,8 @@ class Staleness:
         longer be consumed within the bound. A false alarm costs one resume: an abort returns the
         tokens with their versions, and admission decides on those."""
         requests = list(requests)
+        if self.keep:
+            return []
         oldest: dict[str, int] = {}
         for _, gid, version in requests:
             oldest[gid] = min(oldest.get(gid, version), version)

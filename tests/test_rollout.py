@@ -155,6 +155,43 @@ def test_staleness_bound_at_consumption(servers, tokenizer):
     assert_lengths_add_up(lengths)
 
 
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_keep_trains_a_sample_past_the_bound_with_only_its_too_old_tokens_masked(servers, tokenizer, policy):
+    """stale_policy keep: a group whose samples span versions v and v+1, consumed with the trainer at
+    v+2 (bound 0, max_token_age 1), is trained, not dropped: its v tokens are masked (loss_mask 0),
+    its v+1 tokens are kept. With drop, the same group is dropped as stale."""
+    async def main():
+        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0,
+                    stale_policy=policy, max_token_age=1)
+        await m.start()
+        while len(m.ready) < 2:
+            await asyncio.sleep(0.05)
+        await m.stop()
+        v = max(s.versions[-1] for g in m.ready for s in g.samples)
+        for g in m.ready:                     # the second half of each response came after an update
+            for s in g.samples:
+                half = len(s.versions) // 2
+                s.versions[half:] = [v + 1] * (len(s.versions) - half)
+        m.trainer_version = v + 2
+        m.stopping = False
+        try:
+            groups, metrics = await asyncio.wait_for(m.next_batch(), 5)
+        except (RuntimeError, asyncio.TimeoutError):
+            groups, metrics = [], {}
+        return m, groups, metrics, v
+    m, groups, metrics, v = run(main())
+    if policy == "drop":
+        assert not groups and m.metrics.drops["stale"] >= 2
+        return
+    assert len(groups) == 2 and not m.metrics.drops["stale"]
+    masked = 0
+    for s in (s for g in groups for s in g.samples):
+        for version, keep in zip(s.versions, s.loss_mask):
+            assert keep == (0 if version == v else 1)
+        masked += s.versions.count(v)
+    assert metrics["tokens_masked_old"] == masked > 0
+
+
 def assert_lengths_add_up(snapshot: dict) -> None:
     """generated = trained + dropped + pending, in samples and in tokens, in every length bucket."""
     for table in (snapshot["by_length"], snapshot["tokens_by_length"]):
