@@ -347,7 +347,7 @@ async def bench(args, urls, path) -> dict:
     async_cfg = RolloutConfig(**{**common, "max_inflight": args.async_inflight or args.max_running},
                               oversample=args.oversample, max_staleness=args.max_staleness,
                               update_policy=args.update_policy, abort_fraction=args.abort_fraction,
-                              stale_policy=args.stale_policy).validate()
+                              stale_policy=args.stale_policy, max_token_age=args.max_token_age).validate()
     n_items = (args.steps * 4 + 8) * args.batch_size
     items = make_items(n_items, args.group_size, args.seed, args.median_tokens, args.sigma)
     lens = [n for it in items for n in it["lengths"]]
@@ -468,7 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
-    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate"])
+    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate", "keep"])
+    p.add_argument("--max-token-age", type=int, default=-1,
+                   help="stale-policy keep: mask tokens more than this many versions old (-1: none)")
     p.add_argument("--train-share", type=float, default=0.3,
                    help="what share of a synchronous step training takes (calibrated on the warm-up)")
     p.add_argument("--warmup-batches", type=int, default=4, help="untimed sync batches the train step is calibrated on")
