@@ -75,7 +75,8 @@ class Monitor:
         return kept
 
     def warn(self, message: str) -> None:
-        """Loud: on the console above the progress bar, in wandb's summary and as an alert."""
+        """Loud: on the console above the progress bar and in wandb's summary (the warn/* metrics
+        chart how long it has held)."""
         self.warnings.append(message)
         line = f"riptide WARNING: {message}"
         if self.bar is not None:
@@ -84,10 +85,6 @@ class Monitor:
             print(line, file=sys.stderr, flush=True)
         if self.run is not None:
             self.run.summary["warnings"] = list(self.warnings)
-            try:
-                self.run.alert(title="riptide", text=message, level="WARN")
-            except Exception:        # noqa: BLE001  offline runs may not take alerts: the summary holds it
-                pass
 
     def note(self, message: str) -> None:
         """Worth knowing, not wrong: on the console and in wandb's summary."""

@@ -125,7 +125,7 @@ def run(job: JobConfig) -> dict:
         backend.load_state_dict(rollout_state)
         log.info("resuming from %s at step %d", resume, first_step)
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(job), job.trainer.steps, first_step)
-    watch = Watch(job, monitor)
+    watch = Watch(monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
     try:
         backend.start(model, version=first_step)
@@ -189,7 +189,7 @@ class Watch:
     for `patience` steps in a row. Loud on the console (once, then every `patience` steps) and in
     wandb (warn/* metrics, 1 while it holds)."""
 
-    def __init__(self, job: JobConfig, monitor: Monitor, patience: int = 10):
+    def __init__(self, monitor: Monitor, patience: int = 10):
         self.patience, self.monitor = patience, monitor
         self.zero = self.cut = 0
 
