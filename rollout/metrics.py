@@ -56,10 +56,11 @@ class LengthLedger:
     def snapshot(self) -> dict:
         generated, trained = self.mean("generated"), self.mean("trained")
         buckets = sorted(set().union(*self.samples.values()), key=lambda b: (b.startswith(">"), int(b.strip("<=>"))))
-        pending = collections.Counter(length_bucket(n) for n in self.pending.values())
-        pending_tokens = collections.Counter()
+        pending, pending_tokens = collections.Counter(), collections.Counter()
         for n in self.pending.values():
-            pending_tokens[length_bucket(n)] += n
+            b = length_bucket(n)
+            pending[b] += 1
+            pending_tokens[b] += n
         return {"length_bias": trained / generated if generated and trained else 1.0,
                 "generated_mean_len": generated, "trained_mean_len": trained,
                 "by_length": {b: {**{k: self.samples[k][b] for k in self.KINDS}, "pending": pending[b]} for b in buckets},

@@ -211,6 +211,19 @@ def sequence_logprobs(
     so the forward pass holds one sequence's copy of the vocab-sized logits, never a full
     [batch, seq, vocab] log-softmax; autograd keeps at most one full float32 copy for backward.
     """
+    return sequence_logprobs_and_entropy(logits, input_ids, temperature, entropy=False)[0]
+
+
+def sequence_logprobs_and_entropy(
+    logits: Tensor,  # [batch, seq, vocab]
+    input_ids: Tensor,  # [batch, seq]
+    temperature: float = 1.0,
+    entropy: bool = True,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:  # [batch, seq - 1] each
+    """`sequence_logprobs`, and with `entropy` the entropy of each of those next-token
+    distributions from the same scaled logits and logsumexp (one pass over the vocab-sized rows).
+    The entropy carries gradient only with `entropy_grad` (an entropy bonus in the loss)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
     if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
@@ -220,26 +233,17 @@ def sequence_logprobs(
         )
     dtype = torch.promote_types(logits.dtype, torch.float32)
     targets = input_ids[:, 1:]  # [batch, seq - 1]
-    rows = []
+    rows, entropies = [], []
     for row_logits, row_targets in zip(logits[:, :-1], targets):  # [seq - 1, vocab], [seq - 1]
         scaled = row_logits.to(dtype) / temperature
         target_logits = scaled.gather(-1, row_targets.unsqueeze(-1)).squeeze(-1)  # [seq - 1]
-        rows.append(target_logits - torch.logsumexp(scaled, dim=-1))
-    return torch.stack(rows)
-
-
-def token_entropy(
-    logits: Tensor,  # [batch, seq, vocab] causal LM output
-    temperature: float = 1.0,
-) -> Tensor:  # [batch, seq - 1]
-    """Entropy of the next-token distribution at each position that predicts a token (as
-    `sequence_logprobs` aligns them), one sequence at a time in float32."""
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    rows = []
-    for row_logits in logits[:, :-1]:  # [seq - 1, vocab]
-        logp = torch.log_softmax(row_logits.to(dtype) / temperature, dim=-1)
-        rows.append(-(logp.exp() * logp).sum(-1))
-    return torch.stack(rows)
+        lse = torch.logsumexp(scaled, dim=-1)  # [seq - 1]
+        rows.append(target_logits - lse)
+        if entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                # H = logsumexp - sum(p * scaled), p = softmax(scaled)
+                entropies.append(lse - (torch.exp(scaled - lse.unsqueeze(-1)) * scaled).sum(-1))
+    return torch.stack(rows), (torch.stack(entropies) if entropy else None)
 
 
 def overlong_penalty(

@@ -50,7 +50,6 @@ class Monitor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_steps(first_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.warnings: list[str] = []
         self.run = None
         mode = wandb_mode(cfg)
         if mode != "disabled":
@@ -77,24 +76,21 @@ class Monitor:
     def warn(self, message: str) -> None:
         """Loud: on the console above the progress bar and in wandb's summary (the warn/* metrics
         chart how long it has held)."""
-        self.warnings.append(message)
-        line = f"riptide WARNING: {message}"
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-        if self.run is not None:
-            self.run.summary["warnings"] = list(self.warnings)
+        self._say(f"riptide WARNING: {message}", "warnings", message)
 
     def note(self, message: str) -> None:
         """Worth knowing, not wrong: on the console and in wandb's summary."""
-        line = f"riptide: {message}"
+        self._say(f"riptide: {message}", "notes", message)
+
+    def _say(self, line: str, summary_key: str, message: str) -> None:
+        """`line` on the console (above the progress bar, if any); `message` appended to the wandb
+        summary's `summary_key` list."""
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
             print(line, file=sys.stderr, flush=True)
         if self.run is not None:
-            self.run.summary["notes"] = [*self.run.summary.get("notes", []), message]
+            self.run.summary[summary_key] = [*self.run.summary.get(summary_key, []), message]
 
     def _run_id(self) -> str:
         path = self.run_dir / "wandb_run_id"

@@ -25,11 +25,6 @@ from trainer_bridge.config import ConfigError, JobConfig
 ConfigStore.instance().store(name="schema", node=JobConfig)
 
 
-def schema_paths(cls=JobConfig, prefix: str = "") -> dict[str, str]:
-    """Every settable field ('trainer.lr') with its help text."""
-    return {path: help for path, (help, _) in schema_fields(cls, prefix).items()}
-
-
 def schema_fields(cls=JobConfig, prefix: str = "") -> dict[str, tuple[str, object]]:
     """Every settable field with its help text and its default (whose type a value must have)."""
     out = {}

@@ -79,7 +79,7 @@ class GRPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 for m in range(0, len(rows), self.cfg.micro_batch_size):
                     part = slice(m, min(len(rows), m + self.cfg.micro_batch_size))
-                    prox = proximal[rows[part]] if proximal is not None else None
+                    prox = proximal[rows[part].to(proximal.device)] if proximal is not None else None
                     loss, metrics, weight = self._micro_batch(mb.rows(part), tokens, prox)
                     loss.backward()
                     for k, v in metrics.items():
@@ -102,7 +102,7 @@ class GRPOTrainer:
             ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
             with self._autocast():
                 logits = self.model(input_ids=ids, attention_mask=attention).logits
-            out.append(grpo.sequence_logprobs(logits, ids, self.temperature).float().cpu())
+            out.append(grpo.sequence_logprobs(logits, ids, self.temperature).float())
         return torch.cat(out)
 
     def _micro_batch(self, mb: TrainBatch, batch_tokens: float, proximal: torch.Tensor | None = None):
@@ -113,14 +113,14 @@ class GRPOTrainer:
         advantages = mb.advantages.to(self.device)                      # [mb]
         with self._autocast():
             logits = self.model(input_ids=ids, attention_mask=attention).logits
-        logprobs = grpo.sequence_logprobs(logits, ids, self.temperature)   # [mb, seq-1]
-        proximal = logprobs.detach() if proximal is None else proximal.to(self.device)
+        logprobs, entropy = grpo.sequence_logprobs_and_entropy(   # [mb, seq-1] each
+            logits, ids, self.temperature, entropy_grad=self.cfg.entropy_coef > 0)
+        proximal = logprobs.detach() if proximal is None else proximal
         loss, metrics = grpo.policy_loss(
             logprobs, proximal, advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
             agg=self.cfg.loss_agg, behaviour_logprobs=behaviour if self.cfg.tis_cap > 0 else None,
             tis_cap=self.cfg.tis_cap if self.cfg.tis_cap > 0 else None)
-        with torch.set_grad_enabled(self.cfg.entropy_coef > 0):
-            entropy = grpo.aggregate(grpo.token_entropy(logits, self.temperature), mask, self.cfg.loss_agg)
+        entropy = grpo.aggregate(entropy, mask, self.cfg.loss_agg)
         if self.cfg.entropy_coef > 0:
             loss = loss - self.cfg.entropy_coef * entropy
         metrics = {**metrics, "entropy": entropy.detach()}
