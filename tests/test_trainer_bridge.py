@@ -142,7 +142,7 @@ def test_lr_schedule_warms_up_then_decays_to_its_floor():
 
 def test_short_grpo_run_learns_and_cleans_up(tmp_path):
     proc = train(tmp_path, "trainer.steps=40", "task.num_digits=1", "rollout.max_new_tokens=2",
-                 "rollout.group_size=8", "rollout.batch_size=8", "trainer.lr=0.005")
+                 "rollout.group_size=8", "rollout.batch_size=8", "trainer.lr=0.005", "trainer.checkpoint_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["steps"] == 40
