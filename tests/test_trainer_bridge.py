@@ -146,11 +146,14 @@ def test_short_grpo_run_learns_and_cleans_up(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
     assert result["steps"] == 40
-    assert result["last_reward"] > result["first_reward"] + 0.15, result
     run = tmp_path / "run"
     assert Path(result["plot"]).exists() and Path(result["wandb_dir"]).exists()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(40))
+    # Learning, beyond noise: a step's mean reward over 64 samples swings by ~0.05, a 10-step mean by
+    # ~0.015. Runs here end 0.1-0.4 above where they start (async sampling makes each run differ).
+    first, last = (sum(r["reward/mean"] for r in part) / 10 for part in (lines[:10], lines[-10:]))
+    assert last > first + 0.05, (first, last, result)
     assert all(r["max_staleness"] <= 1 for r in lines)
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s"):
@@ -239,34 +242,44 @@ def test_no_server_survives_an_interrupted_launch(tmp_path, sig, num_servers):
 
 
 def test_a_dead_server_does_not_end_the_job(tmp_path):
-    """Default config, two servers: kill -9 one mid-run. The run finishes every step; the push
+    """Default config, two servers: kill -9 one mid-run. The run goes on through every step; the push
     commits on the survivor and evicts the dead one; a replacement starts, cold-starts from the
-    survivor and joins the router at the current version."""
+    survivor and joins the router at the current version. The run is long enough for the replacement
+    to join however slow this machine is; once it has, SIGTERM ends it cleanly."""
     cmd = [sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
-           f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=30", "server.num_servers=2"]
+           f"model.path={tmp_path / 'model'}", *FAST, "trainer.steps=1000", "server.num_servers=2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "WANDB_MODE": "offline"})
     metrics = tmp_path / "run" / "metrics.jsonl"
+
+    def rows():
+        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     try:
         deadline = time.monotonic() + 180
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+        while len(rows()) < 3:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
         victim = servers_of(tmp_path)[0]
         os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while not rows() or rows()[-1].get("fleet/replacements", 0) < 1:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, f"no replacement joined: {rows()[-1]}"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    assert last_json(out)["steps"] == 30
-    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(30))
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    lines = rows()
+    assert [r["step"] for r in lines] == list(range(len(lines)))
     last = lines[-1]
     assert last["fleet/evictions"] >= 1 and last["fleet/replacements"] >= 1 and last["fleet/servers"] == 2, last
     assert victim not in servers_of(tmp_path)
+    assert servers_of(tmp_path) == []
 
 
 def test_a_multi_turn_rollout_fn_from_the_config_masks_its_tool_output(tmp_path):
