@@ -141,17 +141,17 @@ def test_lr_schedule_warms_up_then_decays_to_its_floor():
 
 
 def test_short_grpo_run_learns_and_cleans_up(tmp_path):
-    proc = train(tmp_path, "trainer.steps=40", "task.num_digits=1", "rollout.max_new_tokens=2",
+    proc = train(tmp_path, "trainer.steps=50", "task.num_digits=1", "rollout.max_new_tokens=2",
                  "rollout.group_size=8", "rollout.batch_size=8", "trainer.lr=0.005", "trainer.checkpoint_every=0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = last_json(proc.stdout)
-    assert result["steps"] == 40
+    assert result["steps"] == 50
     run = tmp_path / "run"
     assert Path(result["plot"]).exists() and Path(result["wandb_dir"]).exists()
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(40))
+    assert [r["step"] for r in lines] == list(range(50))
     # Learning, beyond noise: a step's mean reward over 64 samples swings by ~0.05, a 10-step mean by
-    # ~0.015. Runs here end 0.1-0.4 above where they start (async sampling makes each run differ).
+    # ~0.015. 40-step runs here ended 0.06-0.41 above where they started (async sampling makes each run differ).
     first, last = (sum(r["reward/mean"] for r in part) / 10 for part in (lines[:10], lines[-10:]))
     assert last > first + 0.05, (first, last, result)
     assert all(r["max_staleness"] <= 1 for r in lines)
