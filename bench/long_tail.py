@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
-    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate", "keep"])
+    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate", "wait", "keep"])
     p.add_argument("--max-token-age", type=int, default=-1,
                    help="stale-policy keep: mask tokens more than this many versions old (-1: none)")
     p.add_argument("--train-share", type=float, default=0.3,

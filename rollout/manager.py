@@ -5,6 +5,10 @@ than staleness capacity allows) -> run each sample through the rollout function 
 finished group -> hand out `batch_size` ready groups to the trainer. Requests (slots, failover,
 aborts) live in `requests.py`, every staleness decision in `staleness.py`.
 
+`stale_policy` says what happens to a group past the bound: dropped, regenerated, kept (its too-old
+tokens masked), or, with `wait`, it never gets there: the batch takes the groups at risk first and
+waits for those still running, and new groups are held back meanwhile.
+
 A new weight version aborts the in-flight requests furthest from finishing (`update_policy`); an
 aborted sample keeps its tokens, logprobs and versions and resumes at once under the new weights.
 A group whose requests still fail runs its prompt again (`max_group_retries`); `max_failed_groups`
@@ -115,7 +119,14 @@ class RolloutManager:
         in_progress = len(self.running) + len(self.ready)
         return (self.fatal is None and self.router.any_up()
                 and in_progress < self.cfg.groups_in_progress
-                and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress))
+                and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress)
+                and (bool(self.resume) or not self._risky_running()))
+
+    def _risky_running(self) -> list[Group]:
+        """stale_policy wait: running groups the next version would put past the bound."""
+        if self.cfg.stale_policy is not StalePolicy.wait:
+            return []
+        return [g for g in self.running.values() if self.staleness.at_risk(g, self.trainer_version)]
 
     def _new_group(self) -> Group:
         item = self.data.next()
@@ -243,20 +254,25 @@ class RolloutManager:
     # ---- the trainer's side ----------------------------------------------------------------------
     async def next_batch(self) -> tuple[list[Group], dict]:
         """Wait for `batch_size` groups that passed the filter and the staleness bound."""
-        t0 = time.monotonic()
+        t0, waited_from = time.monotonic(), None
         while True:
             for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
                 self.ready.remove(group)
                 self._drop(group, DropReason.STALE)
-            if len(self.ready) >= self.cfg.batch_size:
+            if len(self.ready) >= self.cfg.batch_size and not self._waits_for_old():
                 break
+            if waited_from is None and self._risky_running():
+                waited_from = time.monotonic()
             if self.fatal is not None:
                 raise RuntimeError(f"the rollout manager stopped: {self.fatal}") from self.fatal
             if self.stopping:
                 raise RuntimeError("the rollout manager is stopped")
             self._wake_consumer.clear()
             await self._wake_consumer.wait()
-        groups = [self.ready.popleft() for _ in range(self.cfg.batch_size)]
+        if waited_from is not None:
+            self.metrics.waits_for_old += 1
+            self.metrics.wait_for_old_s += time.monotonic() - waited_from
+        groups = self._take_batch()
         self.consumed_groups += len(groups)
         for g in groups:
             for s in g.samples:
@@ -266,6 +282,25 @@ class RolloutManager:
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
         return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
+
+    def _waits_for_old(self) -> bool:
+        """stale_policy wait, with a batch's worth ready: wait while an at-risk group still runs and
+        the at-risk groups ready leave it room in the batch."""
+        if not self._risky_running():
+            return False
+        risky_ready = sum(self.staleness.at_risk(g, self.trainer_version) for g in self.ready)
+        return risky_ready < self.cfg.batch_size
+
+    def _take_batch(self) -> list[Group]:
+        """The first `batch_size` ready groups; with stale_policy wait, the at-risk ones first, oldest
+        first (the rest keep their order)."""
+        if self.cfg.stale_policy is StalePolicy.wait:
+            risky = [g for g in self.ready if self.staleness.at_risk(g, self.trainer_version)]
+            if risky:
+                rest = [g for g in self.ready if not self.staleness.at_risk(g, self.trainer_version)]
+                risky.sort(key=lambda g: g.staleness(self.trainer_version), reverse=True)
+                self.ready = collections.deque(risky + rest)
+        return [self.ready.popleft() for _ in range(self.cfg.batch_size)]
 
     def _mask_old_tokens(self, sample: Sample) -> int:
         """stale_policy keep: tokens more than max_token_age versions behind the trainer leave the
@@ -296,7 +331,10 @@ class RolloutManager:
         self._notify()
 
     def _policy_aborts(self, skip: set[str]) -> list[str]:
-        rids = [rid for rid in self.inflight if rid not in skip]
+        # stale_policy wait: the next batch waits on the at-risk groups; an abort would only add a
+        # re-prefill to that wait
+        risky = {g.group_id for g in self._risky_running()}
+        rids = [rid for rid, r in self.inflight.items() if rid not in skip and r.sample.group_id not in risky]
         policy = self.cfg.update_policy
         if policy is UpdatePolicy.abort_all:
             self.metrics.policy_aborts += bool(rids)

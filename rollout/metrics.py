@@ -87,6 +87,8 @@ class RolloutMetrics:
     policy_aborts: int = 0         # weight updates at which the update policy aborted requests (partial rollout)
     policy_held: int = 0           # abort_furthest updates with requests in flight that aborted none: rollout
                                    # was not a batch ahead, so the trainer would have waited on the re-prefill
+    waits_for_old: int = 0         # stale_policy wait: batches whose wait saw at-risk groups running
+    wait_for_old_s: float = 0.0    # ... the trainer's wait for them (part of its wait for data)
     tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
     lengths: LengthLedger = field(default_factory=LengthLedger)
 

@@ -11,7 +11,9 @@ trained on whole, so a group is `consumable` while its oldest token is within `m
   siblings included (their tokens could never be trained);
 - `doomed`, when a version lands: requests in flight whose group can no longer be consumed in time
   (a token of it is too old, or a request has run since a version that now is);
-- `consumable`, at hand-out; `ahead`, whether the next two batches are ready and consumable.
+- `consumable`, at hand-out; `ahead`, whether the next two batches are ready and consumable;
+- `at_risk` (stale_policy wait): a group the next version would put past the bound, so the batch
+  handed out now must take it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,11 @@ class Staleness:
 
     def consumable(self, group: Group, trainer_version: int) -> bool:
         return self.keep or group.staleness(trainer_version) <= self.bound
+
+    def at_risk(self, group: Group, trainer_version: int) -> bool:
+        """Its oldest token is `bound` versions old: consumable now, not after the next version."""
+        return any(s.min_version is not None for s in group.samples) and \
+            group.staleness(trainer_version) >= self.bound
 
     def may_start(self, trainer_version: int, consumed: int, in_progress: int) -> bool:
         base_version, base_consumed = self._base

@@ -155,6 +155,62 @@ def test_staleness_bound_at_consumption(servers, tokenizer):
     assert_lengths_add_up(lengths)
 
 
+async def long_every_third(sample, ctx):
+    """Sample 0 of every third prompt runs 400 tokens, the rest 8: a long tail that spans versions."""
+    n = 400 if sample.index == 0 and int(sample.group_id[1:]) % 3 == 0 else 8
+    if n > sample.num_generated:
+        await ctx.generate(sample, max_new_tokens=n - sample.num_generated)
+    return sample
+
+
+@pytest.mark.parametrize("policy", ["drop", "wait"])
+def test_wait_paces_instead_of_dropping_long_samples(servers, tokenizer, hf_model, policy):
+    """A trainer that pushes a new version after every batch (real pushes), bound 1, and a long
+    sample in every third group. drop throws the long ones away as stale; wait trains every one of
+    them within the bound: the trainer waits for the at-risk groups instead."""
+    import httpx
+
+    from weight_sync.sender import WeightSync
+    url = servers()[0].url
+
+    async def main():
+        m = manager([url], tokenizer, reward=zero, max_staleness=1, batch_size=2, oversample=2.0,
+                    stale_policy=policy)
+        m.rollout_fn, m.group_filter = long_every_third, keep_all
+        version = int(httpx.get(f"{url}/get_weight_version").json()["weight_version"])
+        m.trainer_version = version
+        sync = WeightSync([url], bucket_bytes=1 << 20)
+        trained = []
+        await m.start()
+        try:
+            for _ in range(12):
+                groups, metrics = await m.next_batch()
+                trained += [s for g in groups for s in g.samples]
+                assert metrics["max_staleness"] <= 1
+                version += 1
+                await asyncio.to_thread(sync.push, hf_model, version)
+                await m.on_weights_updated(version)
+        finally:
+            await m.stop()
+            await m.router.close()
+            sync.close()
+        return m, trained
+    m, trained = run(main())
+    lengths = m.metrics.lengths.snapshot()
+    assert_lengths_add_up(lengths)
+    long_trained = sum(len(s.response_ids) == 400 for s in trained)
+    if policy == "drop":
+        assert m.metrics.drops["stale"] >= 1 and m.metrics.stale_dropped >= 4, m.metrics.drops
+        return
+    assert not m.metrics.drops["stale"] and m.metrics.stale_dropped == 0 and m.metrics.requests_doomed == 0
+    assert sum(r["dropped_stale"] for r in lengths["by_length"].values()) == 0
+    assert long_trained >= 3 and m.metrics.waits_for_old >= 1, (long_trained, m.metrics.waits_for_old)
+
+
+async def zero(sample):
+    return 0.0
+
+
 @pytest.mark.parametrize("policy", ["keep", "drop"])
 def test_keep_trains_a_sample_past_the_bound_with_only_its_too_old_tokens_masked(servers, tokenizer, policy):
     """stale_policy keep: a group whose samples span versions v and v+1, consumed with the trainer at
