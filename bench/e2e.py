@@ -1,7 +1,12 @@
 """End to end: the same GRPO job, synchronous vs asynchronous, same steps, same seed.
 
-    python bench/e2e.py [--steps 60] [--num-digits 8] [--max-new-tokens 32] [--batch-size 2] [--hidden 384 --layers 4]
+    python bench/e2e.py [--steps 60] [--workloads copy,copy_varlen] [--seeds 0,1,2] [--num-digits 8]
+                        [--max-new-tokens 32] [--batch-size 2] [--hidden 384 --layers 4]
                         [--oversample 2] [--threads 1] [--override trainer.lr=1e-3 ...]
+
+Every workload runs sync and async on every seed (the seed sets the data order, the sampling and
+the trainer's RNG; the random model is the same for all), so learning is compared over seeds:
+means and spreads of the final reward and the reward-per-step curves, not one run each.
 
 sync:  mode=sync (the manager with oversample=1, max_staleness=0): generate a batch, wait, train,
        push weights, and only then generate the next batch.
@@ -25,9 +30,14 @@ thread each (--threads 1): on a 2-core box that gives each its own core, as each
 on a real cluster; with torch's default both would oversubscribe both cores and the overlap would
 mostly measure contention.
 
-The last line printed is one JSON object: sync_seconds, async_seconds, speedup (sync/async),
-sync_final_reward, async_final_reward (mean reward of the last 10% of steps), max_staleness_seen
-(async run), and per-phase mean seconds per step from each run's metrics.jsonl.
+The last line printed is one JSON object. At its top, for the first workload (copy): speedup (sync
+seconds / async seconds, the median over the seeds), sync_final_reward_mean / _std and
+async_final_reward_mean / _std (final reward: the mean reward of a run's last 10% of steps; mean and
+standard deviation over the seeds), pooled_std (sqrt of the mean of the two variances),
+async_within_pooled_std (async mean >= sync mean - pooled_std), seeds. Under "tasks", the same for
+every workload, with each seed's figures, the reward curves (mean over the seeds, in blocks of
+--curve-every steps), mean response lengths, drops, max staleness and per-phase seconds a step.
+Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -75,19 +85,28 @@ def steps_seconds(records: list[dict]) -> float:
                for r in records)
 
 
-def run_one(mode: str, args, root: Path, model_path: Path) -> tuple[dict, list[dict], float]:
+# A workload: its Hydra overrides. copy is the speed workload (see above); copy_varlen is the one
+# where length matters: 2..16 digits to copy, so correct answers run from 3 to 17 tokens and the long
+# ones are the hard ones (a run that trained on fewer long samples would learn them worse).
+WORKLOADS = {
+    "copy": lambda a: ["task.name=copy", f"task.num_digits={a.num_digits}", "task.min_digits=0"],
+    "copy_varlen": lambda a: ["task.name=copy", "task.num_digits=16", "task.min_digits=2"],
+}
+
+
+def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: Path) -> tuple[dict, list[dict], float]:
     from trainer_bridge.run import run
     from trainer_bridge.train import compose_job
 
-    run_dir = root / mode
+    run_dir = root / f"{workload}-{seed}-{mode}"
     overrides = [
-        f"mode={mode}", f"seed={args.seed}", f"run_dir={run_dir}",
+        f"mode={mode}", f"seed={seed}", f"run_dir={run_dir}",
         f"model.path={model_path}", f"model.hidden={args.hidden}", f"model.layers={args.layers}",
-        f"task.name={args.task}", f"task.num_digits={args.num_digits}",
+        *WORKLOADS[workload](args),
         f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.batch_size}",
         f"rollout.oversample={args.oversample}", f"rollout.max_staleness={args.max_staleness}",
         f"rollout.update_policy={args.update_policy}",
-        f"trainer.steps={args.steps}", f"trainer.seed={args.seed}",
+        f"trainer.steps={args.steps}", f"trainer.seed={seed}",
         "logger.wandb=false", "logger.progress=false",
         *args.override,
     ]
@@ -98,25 +117,72 @@ def run_one(mode: str, args, root: Path, model_path: Path) -> tuple[dict, list[d
     return result, read_metrics(run_dir), wall
 
 
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    import statistics
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def curve(runs: list[list[dict]], every: int) -> list[float]:
+    """Mean reward per step over the seeds, averaged over blocks of `every` steps."""
+    steps = min(len(r) for r in runs)
+    per_step = [sum(r[i]["reward/mean"] for r in runs) / len(runs) for i in range(steps)]
+    return [round(sum(per_step[i:i + every]) / len(per_step[i:i + every]), 4) for i in range(0, steps, every)]
+
+
+def summarize(pairs: list[dict], every: int) -> dict:
+    """One workload's runs over the seeds: final-reward means and spreads, curves, speedups."""
+    out = {}
+    for mode in ("sync", "async"):
+        finals = [p[mode]["result"]["last_reward"] for p in pairs]
+        m, sd = mean_std(finals)
+        out[f"{mode}_final_reward_mean"], out[f"{mode}_final_reward_std"] = round(m, 4), round(sd, 4)
+        out[f"{mode}_final_rewards"] = finals
+    pooled = ((out["sync_final_reward_std"] ** 2 + out["async_final_reward_std"] ** 2) / 2) ** 0.5
+    out["pooled_std"] = round(pooled, 4)
+    out["async_within_pooled_std"] = out["async_final_reward_mean"] >= out["sync_final_reward_mean"] - pooled
+    speedups = [p["sync"]["result"]["seconds"] / p["async"]["result"]["seconds"] for p in pairs]
+    out["speedups"] = [round(x, 3) for x in speedups]
+    out["speedup"] = round(sorted(speedups)[len(speedups) // 2], 3)            # the median seed
+    out["sync_seconds"] = [round(p["sync"]["result"]["seconds"], 1) for p in pairs]
+    out["async_seconds"] = [round(p["async"]["result"]["seconds"], 1) for p in pairs]
+    out["steps_speedups"] = [round(steps_seconds(p["sync"]["records"]) / steps_seconds(p["async"]["records"]), 3)
+                             for p in pairs]
+    for mode in ("sync", "async"):
+        out[f"{mode}_reward_curve"] = curve([p[mode]["records"] for p in pairs], every)
+        out[f"{mode}_response_len"] = round(mean_std([phase_means(p[mode]["records"])["response_len"] or 0
+                                                      for p in pairs])[0], 2)
+    out["async_drops"] = [p["async"]["records"][-1].get("drops", {}) for p in pairs]
+    out["max_staleness_seen"] = max(r.get("max_staleness", 0) for p in pairs for r in p["async"]["records"])
+    out["async_phase_mean_s"] = phase_means(pairs[0]["async"]["records"])
+    out["sync_phase_mean_s"] = phase_means(pairs[0]["sync"]["records"])
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--task", default="copy")
+    p.add_argument("--workloads", default="copy,copy_varlen", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated: each workload runs sync and async on each")
     p.add_argument("--hidden", type=int, default=384, help="tiny model hidden size (configs/: 128)")
     p.add_argument("--layers", type=int, default=4, help="tiny model layers (configs/: 2)")
-    p.add_argument("--num-digits", type=int, default=8)
+    p.add_argument("--num-digits", type=int, default=8, help="copy's digits")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=2, help="groups a step (configs/: 8)")
     p.add_argument("--oversample", type=float, default=2.0)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--update-policy", default="abort_furthest")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--order", default="sync,async", help="run order, e.g. async,sync")
+    p.add_argument("--order", default="sync,async", help="run order within a seed, e.g. async,sync")
+    p.add_argument("--curve-every", type=int, default=5, help="steps per point of the reward curves")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the trainer and of each server (0: torch's default, all cores each)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (run dirs, server logs)")
     args = p.parse_args()
+    workloads = args.workloads.split(",")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    for w in workloads:
+        if w not in WORKLOADS:
+            p.error(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.environ.setdefault("WANDB_MODE", "disabled")
@@ -128,41 +194,42 @@ def main() -> None:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = str(args.threads)
     root = Path(tempfile.mkdtemp(prefix="riptide_e2e_"))
-    model_path = root / "model"
+    model_path = root / "model"      # one random model for every run: the seeds vary the sampling and data
 
-    results = {}
+    by_workload: dict[str, list[dict]] = {w: [] for w in workloads}
     try:
-        for mode in args.order.split(","):
-            result, records, wall = run_one(mode, args, root, model_path)
-            results[mode] = (result, records, wall)
-            print(f"{mode}: {wall:.1f}s  first_reward={result['first_reward']}  last_reward={result['last_reward']}  "
-                  f"phases/step={phase_means(records)}", flush=True)
+        for w in workloads:
+            for seed in seeds:
+                pair = {}
+                for mode in args.order.split(","):
+                    result, records, wall = run_one(mode, w, seed, args, root, model_path)
+                    pair[mode] = {"result": result, "records": records, "wall": wall}
+                    print(f"{w} seed {seed} {mode}: {result['seconds']:.1f}s  first_reward={result['first_reward']}  "
+                          f"last_reward={result['last_reward']}  phases/step={phase_means(records)}", file=sys.stderr,
+                          flush=True)
+                by_workload[w].append(pair)
     finally:
         if not args.keep:
             import shutil
             shutil.rmtree(root, ignore_errors=True)
         else:
-            print(f"run dirs kept in {root}", flush=True)
+            print(f"run dirs kept in {root}", file=sys.stderr, flush=True)
 
-    (rs, ms, ws), (ra, ma, wa) = results["sync"], results["async"]
+    tasks = {w: summarize(pairs, args.curve_every) for w, pairs in by_workload.items()}
+    head = tasks[workloads[0]]
     out = {
-        "sync_seconds": round(rs["seconds"], 2), "async_seconds": round(ra["seconds"], 2),
-        "speedup": round(rs["seconds"] / ra["seconds"], 3) if ra["seconds"] else None,
-        "sync_final_reward": rs["last_reward"], "async_final_reward": ra["last_reward"],
-        "max_staleness_seen": max((r.get("max_staleness", 0) for r in ma), default=None),
-        "sync_first_reward": rs["first_reward"], "async_first_reward": ra["first_reward"],
-        "sync_wall_seconds": round(ws, 2), "async_wall_seconds": round(wa, 2),
-        "sync_steps_seconds": round(steps_seconds(ms), 2), "async_steps_seconds": round(steps_seconds(ma), 2),
-        "steps_speedup": round(steps_seconds(ms) / steps_seconds(ma), 3) if steps_seconds(ma) else None,
-        "sync_phase_mean_s": phase_means(ms), "async_phase_mean_s": phase_means(ma),
-        "sync_drops": ms[-1].get("drops", {}) if ms else {},
-        "async_drops": ma[-1].get("drops", {}) if ma else {},
-        "params": {"steps": args.steps, "task": args.task, "num_digits": args.num_digits, "hidden": args.hidden, "layers": args.layers,
-                   "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size, "oversample": args.oversample,
-                   "max_staleness": args.max_staleness, "update_policy": args.update_policy, "seed": args.seed,
-                   "order": args.order, "threads": args.threads, "overrides": args.override, "cpus": os.cpu_count()},
+        "speedup": head["speedup"],
+        **{k: head[k] for k in ("sync_final_reward_mean", "async_final_reward_mean", "sync_final_reward_std",
+                                "async_final_reward_std", "pooled_std", "async_within_pooled_std")},
+        "seeds": seeds, "workload": workloads[0],
+        "tasks": tasks,
+        "params": {"steps": args.steps, "workloads": workloads, "num_digits": args.num_digits, "hidden": args.hidden,
+                   "layers": args.layers, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,
+                   "oversample": args.oversample, "max_staleness": args.max_staleness,
+                   "update_policy": args.update_policy, "order": args.order, "threads": args.threads,
+                   "overrides": args.override, "cpus": os.cpu_count()},
     }
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ class BackendConfig:
 
 def task_items(task: TaskConfig, seed: int) -> list[dict]:
     if task.name in DIGIT_TASKS:
-        return digit_items(task.name, task.num_digits, task.num_prompts, seed)
+        return digit_items(task.name, task.num_digits, task.num_prompts, seed, task.min_digits)
     if task.name == "dataset":
         return dataset_items(task.path, task.prompt_key, task.answer_key)
     raise ValueError(f"task.name={task.name!r}: use one of {DIGIT_TASKS} or 'dataset'")

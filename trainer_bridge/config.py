@@ -68,7 +68,9 @@ class ModelConfig:
 @dataclass
 class TaskConfig:
     name: str = f("copy", "copy | reverse | sort | add (built in, generated) or dataset (task.path)")
-    num_digits: int = f(3, "digits per built-in problem")
+    num_digits: int = f(3, "digits per built-in problem (the most, with min_digits)")
+    min_digits: int = f(0, "built-in problems of min_digits..num_digits digits, drawn uniformly, so answers "
+                           "vary in length (0: all num_digits)")
     num_prompts: int = f(4096, "built-in problems generated")
     path: str = f("", "dataset: a JSONL or Parquet file of prompt/answer rows")
     prompt_key: str = f("prompt", "dataset: the prompt column")
@@ -90,6 +92,8 @@ class TaskConfig:
                 out.append(f"task.path={self.path!r}: expected a .jsonl, .json or .parquet file")
         else:
             out += failed([(self.num_digits >= 1, f"task.num_digits={self.num_digits}: must be >= 1"),
+                           (0 <= self.min_digits <= self.num_digits,
+                            f"task.min_digits={self.min_digits}: must be 0 (off) or 1..task.num_digits={self.num_digits}"),
                            (self.num_prompts >= 1, f"task.num_prompts={self.num_prompts}: must be >= 1")])
         problem = callable_problem("task.reward", self.reward, builtin=("exact_match", "math_answer", "format_check"))
         return out + ([problem] if problem else [])

@@ -14,15 +14,18 @@ from rollout.types import Sample
 DIGIT_TASKS = ("copy", "reverse", "sort", "add")
 
 
-def digit_items(kind: str, num_digits: int, count: int, seed: int) -> list[dict]:
+def digit_items(kind: str, num_digits: int, count: int, seed: int, min_digits: int = 0) -> list[dict]:
+    """`count` problems of num_digits digits each, or of min_digits..num_digits (uniform) when
+    min_digits > 0: then the answers vary in length, and the long ones are the hard ones."""
     if kind not in DIGIT_TASKS:
         raise ValueError(f"task.name={kind!r}: built-in tasks are {DIGIT_TASKS} (or 'dataset' with task.path)")
     rng = random.Random(seed)
     items = []
     for _ in range(count):
-        digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
+        n = rng.randint(min_digits, num_digits) if min_digits else num_digits
+        digits = "".join(rng.choice("0123456789") for _ in range(n))
         if kind == "add":
-            a, b = int(digits), rng.randrange(10 ** num_digits)
+            a, b = int(digits), rng.randrange(10 ** n)
             prompt, answer = f"add:{a}+{b}=", str(a + b)
         else:
             answer = {"copy": digits, "reverse": digits[::-1], "sort": "".join(sorted(digits))}[kind]
