@@ -330,7 +330,8 @@ async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity:
             "mean_len": tokens / max(trained, 1), "consumed_groups": m.consumed_groups - consumed0,
             "mean_inflight_at_batch": statistics.mean(inflight_samples) if inflight_samples else 0,
             "server_version_end": s1["weight_version"], "drops_last": last_metrics.get("drops", {}),
-            "lengths": mt.lengths.snapshot()}
+            "lengths": mt.lengths.snapshot(), "tokens_masked_old": mt.tokens_masked_old,
+            "waits_for_old": mt.waits_for_old, "wait_for_old_s": mt.wait_for_old_s}
 
 
 # ---- main ---------------------------------------------------------------------------------------
@@ -403,6 +404,9 @@ async def bench(args, urls, path) -> dict:
         "async_busy_ratio": round(asyn["busy_s"] / asyn["wall_s"] / len(urls), 3),
         "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
         "staleness_bound": async_cfg.max_staleness,
+        "stale_policy": async_cfg.stale_policy.value, "max_token_age": async_cfg.max_token_age,
+        "tokens_masked_old": asyn["tokens_masked_old"], "waits_for_old": asyn["waits_for_old"],
+        "wait_for_old_s": round(asyn["wait_for_old_s"], 1),
         "samples_lost": asyn["samples_lost"],
         # the length bias: mean trained response length / mean generated length of finished samples
         "length_bias": round(asyn["lengths"]["length_bias"], 4),

@@ -19,19 +19,19 @@ class StalePolicy(str, enum.Enum):
 
     drop: thrown away (its tokens are wasted; long samples are the likeliest to go, see length_bias).
     regenerate: its samples restart from the prompt under the newest weights.
-    wait: nothing is dropped for its age; the manager paces instead (AReaL-style). A group whose
-    oldest token is `max_staleness` versions old is at risk (the next version would put it past the
-    bound): the next batch takes the at-risk groups first, oldest first, and the trainer waits for
-    those still running; while one runs, new groups are held back, so the servers' steps go to it,
-    and the update policy does not abort it. The trainer may wait on a long response, but every
-    trained token is within the bound. Use it when long responses matter and the bound must hold.
+    wait: nothing is dropped for its age; the trainer is paced instead. A group whose oldest token
+    is `max_staleness` versions old is at risk (the next version would put it past the bound): the
+    next batch takes the at-risk groups first, oldest first, and waits for those still running; their
+    requests get request slots first (oldest tokens first) and the update policy does not abort
+    them. Every trained token is within the bound, and the trainer waits whenever a response takes
+    longer than max_staleness train steps. Use it when long responses matter and the bound must hold.
     keep: consumed anyway; the loss corrects each token by its behaviour logprob (decoupled PPO /
     truncated IS), and tokens more than max_token_age versions old are masked (loss_mask 0), not
     the whole sample. max_staleness then only paces admission (capacity). Use it when long
     responses matter and a token-level correction is acceptable."""
     drop = "drop"
     regenerate = "regenerate"           # its samples restart from the prompt
-    wait = "wait"                       # paced: the trainer waits for at-risk groups, new ones are held back
+    wait = "wait"                       # paced: the batch waits for at-risk groups, so none breaks the bound
     keep = "keep"                       # consumed; only tokens older than max_token_age are masked
 
 

@@ -7,7 +7,7 @@ aborts) live in `requests.py`, every staleness decision in `staleness.py`.
 
 `stale_policy` says what happens to a group past the bound: dropped, regenerated, kept (its too-old
 tokens masked), or, with `wait`, it never gets there: the batch takes the groups at risk first and
-waits for those still running, and new groups are held back meanwhile.
+waits for those still running.
 
 A new weight version aborts the in-flight requests furthest from finishing (`update_policy`); an
 aborted sample keeps its tokens, logprobs and versions and resumes at once under the new weights.
@@ -119,8 +119,7 @@ class RolloutManager:
         in_progress = len(self.running) + len(self.ready)
         return (self.fatal is None and self.router.any_up()
                 and in_progress < self.cfg.groups_in_progress
-                and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress)
-                and (bool(self.resume) or not self._risky_running()))
+                and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress))
 
     def _risky_running(self) -> list[Group]:
         """stale_policy wait: running groups the next version would put past the bound."""
