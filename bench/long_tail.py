@@ -462,17 +462,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="groups per training batch")
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--max-running", type=int, default=64, help="server --max-running-requests and max_inflight")
-    p.add_argument("--async-inflight", type=int, default=48,
+    p.add_argument("--async-inflight", type=int, default=96,
                    help="max_inflight of (b): more rows make a decode step cheaper per token, but a sample "
                         "spans ~ length * inflight / tokens per batch versions, so more of them break "
                         "--max-staleness; 0: --max-running")
     p.add_argument("--median-tokens", type=float, default=64.0)
     p.add_argument("--sigma", type=float, default=1.0)
-    p.add_argument("--oversample", type=float, default=2.0)
+    p.add_argument("--oversample", type=float, default=4.0,
+                   help="groups in progress per group a batch needs: with keep nothing is dropped for its age, "
+                        "so a deep pipeline costs no waste (drop loses its long samples there: docs/long_tail.md)")
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
-    p.add_argument("--stale-policy", default="drop", choices=["drop", "regenerate", "wait", "keep"])
+    p.add_argument("--stale-policy", default="keep", choices=["drop", "regenerate", "wait", "keep"],
+                   help="the product's default, keep (docs/long_tail.md: how the four compare)")
     p.add_argument("--max-token-age", type=int, default=-1,
                    help="stale-policy keep: mask tokens more than this many versions old (-1: none)")
     p.add_argument("--train-share", type=float, default=0.3,

@@ -18,17 +18,21 @@ class StalePolicy(str, enum.Enum):
     """What happens to a group that can no longer be consumed within max_staleness.
 
     drop: thrown away (its tokens are wasted; long samples are the likeliest to go, see length_bias).
+    Before issue #16 the default.
     regenerate: its samples restart from the prompt under the newest weights.
     wait: nothing is dropped for its age; the trainer is paced instead. A group whose oldest token
-    is `max_staleness` versions old is at risk (the next version would put it past the bound): the
-    next batch takes the at-risk groups first, oldest first, and waits for those still running; their
+    is `max_staleness` versions old is at risk (the next version would put it past the bound): every
+    batch takes the oldest ready groups first, and waits for at-risk groups still running; their
     requests get request slots first (oldest tokens first) and the update policy does not abort
-    them. Every trained token is within the bound, and the trainer waits whenever a response takes
+    them. More at-risk groups than a batch holds are still dropped (a deep pipeline, a large
+    oversample, can get there: `rollout/drops`). Every trained token is within the bound, and the trainer waits whenever a response takes
     longer than max_staleness train steps. Use it when long responses matter and the bound must hold.
-    keep: consumed anyway; the loss corrects each token by its behaviour logprob (decoupled PPO /
-    truncated IS), and tokens more than max_token_age versions old are masked (loss_mask 0), not
-    the whole sample. max_staleness then only paces admission (capacity). Use it when long
-    responses matter and a token-level correction is acceptable."""
+    keep (the default): consumed anyway; the loss corrects each token by its behaviour logprob
+    (decoupled PPO / truncated IS), and tokens more than max_token_age versions old are masked
+    (loss_mask 0), not the whole sample. max_staleness then only paces admission (capacity), as
+    AReaL's max_head_offpolicyness does; with max_token_age -1 (the default) nothing is masked.
+    The fastest, and no length bias (bench/long_tail.py); use drop or wait where every trained
+    token must be within max_staleness."""
     drop = "drop"
     regenerate = "regenerate"           # its samples restart from the prompt
     wait = "wait"                       # paced: the batch waits for at-risk groups, so none breaks the bound
@@ -41,8 +45,9 @@ class RolloutConfig:
     batch_size: int = 8                 # groups per training batch
     max_inflight: int = 64              # requests running on the servers at once
     oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
-    max_staleness: int = 1              # how many versions behind the trainer any token may be
-    stale_policy: StalePolicy = StalePolicy.drop
+    max_staleness: int = 1              # how many versions behind the trainer a group may run (keep: at
+                                        # admission; drop / regenerate / wait: every token, at consumption)
+    stale_policy: StalePolicy = StalePolicy.keep    # measured: docs/long_tail.md, README
     max_token_age: int = -1             # stale_policy keep: mask tokens more than this many versions old (-1: none)
     update_policy: UpdatePolicy = UpdatePolicy.abort_furthest
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from

@@ -291,14 +291,12 @@ class RolloutManager:
         return risky_ready < self.cfg.batch_size
 
     def _take_batch(self) -> list[Group]:
-        """The first `batch_size` ready groups; with stale_policy wait, the at-risk ones first, oldest
-        first (the rest keep their order)."""
+        """The first `batch_size` ready groups; with stale_policy wait, the oldest first (earliest
+        deadline first: a group's deadline is its oldest token's version + max_staleness), so the
+        at-risk ones go now and fewer come due together later."""
         if self.cfg.stale_policy is StalePolicy.wait:
-            risky = [g for g in self.ready if self.staleness.at_risk(g, self.trainer_version)]
-            if risky:
-                rest = [g for g in self.ready if not self.staleness.at_risk(g, self.trainer_version)]
-                risky.sort(key=lambda g: g.staleness(self.trainer_version), reverse=True)
-                self.ready = collections.deque(risky + rest)
+            self.ready = collections.deque(sorted(self.ready, key=lambda g: g.staleness(self.trainer_version),
+                                                  reverse=True))
         return [self.ready.popleft() for _ in range(self.cfg.batch_size)]
 
     def _mask_old_tokens(self, sample: Sample) -> int:

@@ -138,7 +138,8 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
 
 def test_staleness_bound_at_consumption(servers, tokenizer):
     async def main():
-        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0)
+        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0,
+                    stale_policy="drop")
         await m.start()
         while len(m.ready) < 2:
             await asyncio.sleep(0.05)
@@ -265,7 +266,7 @@ def test_staleness_bound_at_admission(servers, tokenizer, tiny_model):
     assert r.status_code == 200, r.text
 
     async def main():
-        m = manager([url], tokenizer, max_staleness=1, batch_size=1)
+        m = manager([url], tokenizer, max_staleness=1, batch_size=1, stale_policy="drop")
         partial = [Sample("g-old", i, [5, 6, 7], label=0, response_ids=[9, 9], logprobs=[-1.0, -1.0],
                           versions=[old, old], loss_mask=[1, 1], status=SampleStatus.PARTIAL) for i in range(4)]
         state = {"trainer_version": old + 2, "consumed_groups": 2, "data": m.data.state_dict(), "metrics": {},
@@ -289,7 +290,7 @@ def test_groups_past_the_bound_stop_generating_at_once(servers, tokenizer, tiny_
 
     async def main():
         m = manager([url], tokenizer, max_new_tokens=1000, max_staleness=1, update_policy="continue",
-                    batch_size=1, oversample=2.0)
+                    batch_size=1, oversample=2.0, stale_policy="drop")
         m.trainer_version = old
         await m.start()
         while len(m.inflight) < 8:
