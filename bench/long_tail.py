@@ -1,7 +1,7 @@
 """Long-tail rollouts: synchronous generate-then-train against Riptide's async manager, in one run.
 
-    python bench/long_tail.py [--steps 40] [--train-share 0.3] [--oversample 2.0] [--max-staleness 4]
-                              [--async-inflight 48] [--servers 2] [--order abba] [--quick]
+    python bench/long_tail.py [--steps 40] [--train-share 0.3] [--oversample 4.0] [--max-staleness 4]
+                              [--async-inflight 96] [--stale-policy keep] [--servers 2] [--order abba] [--quick]
 
 --servers (2) real servers (`python -m inference_server`, --max-running-requests 64 --context-length 1200,
 plus `process.cpu_share_args`: on 2 cores, one decode thread each and no split steps) behind one Router,
