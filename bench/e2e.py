@@ -230,8 +230,31 @@ def main() -> None:
 
     tasks = {w: summarize(pairs, args.curve_every) for w, pairs in by_workload.items()}
     head = tasks[workloads[0]]
+    pairs = by_workload[workloads[0]]
+
+    def phases(mode: str) -> dict:            # each seed's per-phase means, averaged over the seeds
+        per = [phase_means(p[mode]["records"]) for p in pairs]
+        return {k: (round(sum(x[k] for x in per) / len(per), 4) if all(x[k] is not None for x in per) else None)
+                for k in per[0]}
+    drops: dict = {}
+    for d in head["async_drops"]:
+        for k, v in d.items():
+            drops[k] = drops.get(k, 0) + v
+    mean = lambda xs: round(sum(xs) / len(xs), 4)        # noqa: E731
     out = {
         "speedup": head["speedup"],
+        # the keys of the one-seed version (issue #14), over the first workload's seeds: means, and
+        # the median seed's step-loop ratio
+        "sync_seconds": mean(head["sync_seconds"]), "async_seconds": mean(head["async_seconds"]),
+        "steps_speedup": sorted(head["steps_speedups"])[len(pairs) // 2],
+        "sync_final_reward": head["sync_final_reward_mean"], "async_final_reward": head["async_final_reward_mean"],
+        "sync_first_reward": mean([p["sync"]["result"]["first_reward"] for p in pairs]),
+        "async_first_reward": mean([p["async"]["result"]["first_reward"] for p in pairs]),
+        "sync_wall_seconds": mean([p["sync"]["wall"] for p in pairs]),
+        "async_wall_seconds": mean([p["async"]["wall"] for p in pairs]),
+        "max_staleness_seen": head["max_staleness_seen"],
+        "sync_phase_mean_s": phases("sync"), "async_phase_mean_s": phases("async"),
+        "async_drops": drops,
         **{k: head[k] for k in ("sync_final_reward_mean", "async_final_reward_mean", "sync_final_reward_std",
                                 "async_final_reward_std", "pooled_std", "async_within_pooled_std")},
         "seeds": seeds, "workload": workloads[0],
