@@ -10,7 +10,9 @@ either mode (copy, sync: 0.184 and 0.206 mean final reward over 3 seeds against 
 sampled a token and the trainer's; an LLM run at lr ~1e-6 moves it orders of magnitude less), and
 the async run trains one version behind: on copy_varlen async ended at 0.122 +- 0.023 against
 sync's 0.148 +- 0.008; at 5e-4 (KL ~0.04) 0.142 +- 0.020 against 0.141 +- 0.031. On copy the async run
-still trails at 5e-4 in some runs (0.129 +- 0.025 against 0.206 +- 0.029 in one). The per-token KL is
+still trails at 5e-4: by more than a pooled std in 2 of 3 runs (0.129 +- 0.025 against 0.206 +- 0.029;
+0.120 +- 0.021 against 0.177 +- 0.028), and per second too (the sync run had 0.143 at the async run's
+step-loop time, in the run that measured it). The per-token KL is
 in the JSON (async_behaviour_kl_per_token), and so is learning per second
 (sync_reward_at_async_seconds_mean).
 
