@@ -59,6 +59,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -132,8 +133,14 @@ def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: P
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
-    import statistics
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def seed_phase_means(pairs: list[dict], mode: str) -> dict:
+    """Each seed's per-phase means (phase_means), averaged over the seeds."""
+    per = [phase_means(p[mode]["records"]) for p in pairs]
+    return {k: (round(statistics.fmean(x[k] for x in per), 4) if all(x[k] is not None for x in per) else None)
+            for k in per[0]}
 
 
 def curve(runs: list[list[dict]], every: int) -> list[float]:
@@ -188,8 +195,8 @@ def summarize(pairs: list[dict], every: int) -> dict:
     out["async_behaviour_kl_per_token"] = round(sum(kls) / len(kls), 4) if kls else None
     out["async_drops"] = [p["async"]["records"][-1].get("drops", {}) for p in pairs]
     out["max_staleness_seen"] = max(r.get("max_staleness", 0) for p in pairs for r in p["async"]["records"])
-    out["async_phase_mean_s"] = phase_means(pairs[0]["async"]["records"])
-    out["sync_phase_mean_s"] = phase_means(pairs[0]["sync"]["records"])
+    out["async_phase_mean_s"] = seed_phase_means(pairs, "async")
+    out["sync_phase_mean_s"] = seed_phase_means(pairs, "sync")
     return out
 
 
@@ -255,16 +262,14 @@ def main() -> None:
     tasks = {w: summarize(pairs, args.curve_every) for w, pairs in by_workload.items()}
     head = tasks[workloads[0]]
     pairs = by_workload[workloads[0]]
-
-    def phases(mode: str) -> dict:            # each seed's per-phase means, averaged over the seeds
-        per = [phase_means(p[mode]["records"]) for p in pairs]
-        return {k: (round(sum(x[k] for x in per) / len(per), 4) if all(x[k] is not None for x in per) else None)
-                for k in per[0]}
     drops: dict = {}
     for d in head["async_drops"]:
         for k, v in d.items():
             drops[k] = drops.get(k, 0) + v
-    mean = lambda xs: round(sum(xs) / len(xs), 4)        # noqa: E731
+
+    def mean(xs) -> float:
+        return round(statistics.fmean(xs), 4)
+
     out = {
         "speedup": head["speedup"],
         # the keys of the one-seed version (issue #14), over the first workload's seeds: means, and
@@ -277,7 +282,7 @@ def main() -> None:
         "sync_wall_seconds": mean([p["sync"]["wall"] for p in pairs]),
         "async_wall_seconds": mean([p["async"]["wall"] for p in pairs]),
         "max_staleness_seen": head["max_staleness_seen"],
-        "sync_phase_mean_s": phases("sync"), "async_phase_mean_s": phases("async"),
+        "sync_phase_mean_s": head["sync_phase_mean_s"], "async_phase_mean_s": head["async_phase_mean_s"],
         "async_drops": drops,
         **{k: head[k] for k in ("sync_final_reward_mean", "async_final_reward_mean", "sync_final_reward_std",
                                 "async_final_reward_std", "pooled_std", "async_within_pooled_std",

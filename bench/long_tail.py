@@ -455,6 +455,7 @@ async def bench(args, urls, path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from rollout.config import RolloutConfig, StalePolicy
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=40,
                    help="training steps of each mode (the async pipeline's fill and its partial samples at "
@@ -474,8 +475,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--update-policy", default="abort_furthest", choices=["abort_furthest", "abort_all", "continue"])
     p.add_argument("--abort-fraction", type=float, default=0.5)
-    p.add_argument("--stale-policy", default="keep", choices=["drop", "regenerate", "wait", "keep"],
-                   help="the product's default, keep (docs/long_tail.md: how the four compare)")
+    p.add_argument("--stale-policy", default=RolloutConfig.stale_policy.value, choices=[x.value for x in StalePolicy],
+                   help="default: the product's (RolloutConfig); docs/long_tail.md compares the four")
     p.add_argument("--max-token-age", type=int, default=-1,
                    help="stale-policy keep: mask tokens more than this many versions old (-1: none)")
     p.add_argument("--train-share", type=float, default=0.3,

@@ -25,8 +25,9 @@ class StalePolicy(str, enum.Enum):
     batch takes the oldest ready groups first, and waits for at-risk groups still running; their
     requests get request slots first (oldest tokens first) and the update policy does not abort
     them. More at-risk groups than a batch holds are still dropped (a deep pipeline, a large
-    oversample, can get there: `rollout/drops`). Every trained token is within the bound, and the trainer waits whenever a response takes
-    longer than max_staleness train steps. Use it when long responses matter and the bound must hold.
+    oversample, can get there: `rollout/drops`). Every trained token is within the bound, and the
+    trainer waits whenever a response takes longer than max_staleness train steps. Use it when long
+    responses matter and the bound must hold.
     keep (the default): consumed anyway; the loss corrects each token by its behaviour logprob
     (decoupled PPO / truncated IS), and tokens more than max_token_age versions old are masked
     (loss_mask 0), not the whole sample. max_staleness then only paces admission (capacity), as

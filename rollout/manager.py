@@ -6,8 +6,8 @@ finished group -> hand out `batch_size` ready groups to the trainer. Requests (s
 aborts) live in `requests.py`, every staleness decision in `staleness.py`.
 
 `stale_policy` says what happens to a group past the bound: dropped, regenerated, kept (its too-old
-tokens masked), or, with `wait`, it never gets there: the batch takes the groups at risk first and
-waits for those still running.
+tokens masked), or, with `wait`, it never gets there: batches take the oldest groups first and wait
+for at-risk ones still running.
 
 A new weight version aborts the in-flight requests furthest from finishing (`update_policy`); an
 aborted sample keeps its tokens, logprobs and versions and resumes at once under the new weights.
@@ -258,9 +258,10 @@ class RolloutManager:
             for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
                 self.ready.remove(group)
                 self._drop(group, DropReason.STALE)
-            if len(self.ready) >= self.cfg.batch_size and not self._waits_for_old():
+            risky = self._risky_running()
+            if len(self.ready) >= self.cfg.batch_size and not self._waits_for_old(risky):
                 break
-            if waited_from is None and self._risky_running():
+            if waited_from is None and risky:
                 waited_from = time.monotonic()
             if self.fatal is not None:
                 raise RuntimeError(f"the rollout manager stopped: {self.fatal}") from self.fatal
@@ -282,10 +283,10 @@ class RolloutManager:
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
         return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
 
-    def _waits_for_old(self) -> bool:
+    def _waits_for_old(self, risky_running: list[Group]) -> bool:
         """stale_policy wait, with a batch's worth ready: wait while an at-risk group still runs and
         the at-risk groups ready leave it room in the batch."""
-        if not self._risky_running():
+        if not risky_running:
             return False
         risky_ready = sum(self.staleness.at_risk(g, self.trainer_version) for g in self.ready)
         return risky_ready < self.cfg.batch_size
