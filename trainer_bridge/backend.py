@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 import torch
@@ -180,12 +181,16 @@ class RolloutBackend:
         finally:
             for t in self._workers:
                 t.join(timeout=self.cfg.server.start_timeout_s)
-            if self.sync is not None:
-                self.sync.close()
-                self.sync = None
-            if self.fleet is not None:
-                self.fleet.close()
-            self.servers = []
+            # The servers stop (a wait on their exits) while the sender closes (its transfer engine's
+            # teardown holds this process for up to 1 s).
+            stopped = in_background(self.fleet.close, "fleet-close") if self.fleet is not None else lambda: None
+            try:
+                if self.sync is not None:
+                    self.sync.close()
+                    self.sync = None
+            finally:
+                self.servers = []
+                stopped()
 
     # ---- the fleet by hand -------------------------------------------------------------------------
     def add_servers(self, k: int) -> list[str]:
@@ -307,3 +312,23 @@ class RolloutBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+
+def in_background(fn: Callable[[], None], name: str) -> Callable[[], None]:
+    """Start fn() on a thread of its own; returns a join() that waits for it and raises what it raised."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+    thread = threading.Thread(target=target, name=name)
+    thread.start()
+
+    def join() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+    return join

@@ -15,7 +15,7 @@ import torch
 
 from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
-from trainer_bridge.backend import BackendConfig, RolloutBackend
+from trainer_bridge.backend import BackendConfig, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint
 from trainer_bridge.monitor import Monitor
@@ -158,8 +158,12 @@ def run(job: JobConfig) -> dict:
             monitor.note(note)
     finally:
         IN_STEP.clear()
-        backend.close()
-        plot = monitor.finish()
+        # The curves are drawn while the servers and the rollout process stop (mostly waits).
+        closed = in_background(backend.close, "backend-close")
+        try:
+            plot = monitor.finish()
+        finally:
+            closed()
     return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
 
 

@@ -15,6 +15,18 @@ from weight_sync.transports.base import Transport, TransportError, WriteOp, chec
 _SUBMIT_FAILED = (0, 2**64 - 1, -1)
 _DONE, _PENDING, _FAILED = 1, 0, -1  # transfer_check_status codes; -2 is an engine-side timeout
 _POLL_S = 0.0005
+# Engines of closed transports, kept alive in a process that exits without tearing them down (see
+# leave_engines_to_exit).
+_LEFT_TO_EXIT: list | None = None
+
+
+def leave_engines_to_exit() -> None:
+    """For a process that ends with os._exit (a server): closing a transport releases its memory but
+    leaves its engine to the exit. An engine's destructor joins its handshake listener, which
+    polls once a second: up to 1 s (0.5 s on average) with the GIL held, per engine, per stop."""
+    global _LEFT_TO_EXIT
+    if _LEFT_TO_EXIT is None:
+        _LEFT_TO_EXIT = []
 
 
 def routable_host(toward: str = "") -> str:
@@ -74,6 +86,8 @@ class MooncakeTransport(Transport):
     def close(self) -> None:
         for addr in list(self._registered):
             self.unregister(addr)
+        if _LEFT_TO_EXIT is not None and self._engine is not None:
+            _LEFT_TO_EXIT.append(self._engine)
         self._engine = None  # the engine's destructor aborts in-flight transfers and stops its threads
 
     def _submit(self, peer_session: str, op: WriteOp) -> int:
