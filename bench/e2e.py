@@ -1,6 +1,6 @@
 """End to end: the same GRPO job, synchronous vs asynchronous, same steps, same seed.
 
-    python bench/e2e.py [--steps 60] [--workloads copy,copy_varlen] [--seeds 0,1,2] [--num-digits 8]
+    python bench/e2e.py [--steps 100] [--workloads copy,copy_varlen] [--seeds 0,1,2] [--num-digits 8]
                         [--max-new-tokens 32] [--batch-size 2] [--hidden 384 --layers 4]
                         [--oversample 2] [--threads 1] [--override trainer.lr=1e-3 ...]
 
@@ -34,8 +34,10 @@ batch's generation about its decode steps (16 rows decode nearly as fast as 64).
 manager left the trainer's process the workload was 8 groups and 10 new tokens; the server has got
 faster since, which left generation at ~0.42 s against training's ~0.73 s a step (overlap could
 then hide at most ~35%); fewer, longer samples put them back level (~0.30 s against ~0.36 s).
-60 steps by default (was 30): both runs pay ~7 s to start their server and rollout process and to
-stop them, which at 30 steps is a fifth of the async run; a real job runs hundreds of steps. The
+100 steps by default (was 30, then 60): both runs pay ~6 s to start their server and rollout process
+(imports of torch and transformers in each, ~4.5 s of it) and ~1 s to stop them and draw the curves,
+which at 60 steps is a fifth of the async run (copy, 3 seeds: steps_speedup ~1.6, speedup 1.43); a
+real job runs hundreds of steps. The
 JSON's *_steps_seconds (the step loop alone) give the ratio without that cost. The model is built
 once into a temp dir, its own path, shared by both runs. The trainer and the server get one torch
 thread each (--threads 1): on a 2-core box that gives each its own core, as each has its own device
@@ -202,7 +204,7 @@ def summarize(pairs: list[dict], every: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--workloads", default="copy,copy_varlen", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--seeds", default="0,1,2", help="comma-separated: each workload runs sync and async on each")
     p.add_argument("--hidden", type=int, default=384, help="tiny model hidden size (configs/: 128)")
