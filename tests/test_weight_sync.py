@@ -63,6 +63,28 @@ def sync_to(*urls, **kw):
     return WeightSync(list(urls), bucket_bytes=kw.pop("bucket_bytes", BUCKET), **kw)
 
 
+def test_a_bucket_written_by_several_ranks_is_checked_range_by_range():
+    """The parts digest of a sharded push: each rank's ranges with its own hashes, covering the bucket."""
+    from weight_sync.bucket import digest, format_parts_digest, unpack_verified
+    specs = [TensorSpec("a", "float32", (6, 4)), TensorSpec("b", "float32", (5,))]
+    plan = plan_buckets(specs, bucket_bytes=4096)
+    sent = {"a": torch.randn(6, 4), "b": torch.randn(5)}
+    slot = torch.zeros(4096, dtype=torch.uint8)
+    flat = torch.cat([sent["a"].reshape(-1), sent["b"]]).view(torch.uint8)
+    slot[:flat.numel()] = flat
+    ranges = [(0, 48), (48, 48), (96, 20)]          # rank 0's rows of a, rank 1's rows of a, rank 0's b
+    good = format_parts_digest([(s, n, digest(slot[s:s + n])) for s, n in ranges], plan[0].nbytes)
+    got = {"a": torch.zeros(6, 4), "b": torch.zeros(5)}
+    assert unpack_verified(plan[0], slot, got, like=good) == good
+    assert torch.equal(got["a"], sent["a"]) and torch.equal(got["b"], sent["b"])
+    slot[50] ^= 1                                    # one byte of rank 1's range went wrong
+    assert unpack_verified(plan[0], slot, got, like=good) != good
+    with pytest.raises(ValueError, match="do not tile"):
+        format_parts_digest([(0, 48, "x"), (50, 46, "y"), (96, 20, "z")], 116)
+    with pytest.raises(ValueError, match="cover 96 of its 116"):
+        format_parts_digest([(0, 48, "x"), (48, 48, "y")], 116)
+
+
 def test_plan_never_splits_a_tensor_that_fits():
     specs = [TensorSpec("a", "float32", (100,)), TensorSpec("b", "float32", (200,)),
              TensorSpec("big", "float32", (700,)), TensorSpec("c", "bfloat16", (10,))]

@@ -162,7 +162,10 @@ class RolloutBackend:
     def push_weights(self, model, version: int):
         """Stream `model`'s weights into every server as `version` (two-phase: every server that
         stays in the push flips, or none), evict the servers it lost, then let the manager apply
-        its in-flight policy. Returns the push's PushStats."""
+        its in-flight policy. Returns the push's PushStats. A model sharded with FSDP2
+        (`fully_shard`) is pushed from rank 0, which holds the backend, while every other rank calls
+        `weight_sync.sharded.push_sharded(model, version)`: its parameters are gathered a bucket
+        at a time, never the whole model."""
         self._admit()
         stats = self._push(model, version)
         self.version = version
@@ -223,8 +226,11 @@ class RolloutBackend:
 
     # ---- membership ----------------------------------------------------------------------------------
     def _push(self, model, version: int):
+        from weight_sync import sharded
         from weight_sync.sender import CommitIncomplete
         try:
+            if sharded.is_sharded(model):    # FSDP2: rank 0 here; every other rank calls push_sharded(model, version)
+                return sharded.push_sharded(model, version, self.sync, inflight=self.cfg.weight_sync.inflight)
             return self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
         except CommitIncomplete as e:
             # every server had prepared: the version stands; the ones that did not confirm learn it

@@ -104,13 +104,21 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -
                           as_bytes(tensors[p.name])[p.offset:p.offset + p.length]) for p in bucket.pieces])
 
 
-def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor]) -> str:
+def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor], like: str = "") -> str:
     """Copy the bucket's pieces out of `slot` into their places in `tensors`; return the digest of
-    the bytes that landed there. On the CPU that is the digest of the copy itself. A device copy is
-    not hashed here, so the slot is hashed before and after the copy instead: bytes that changed in
-    between (a late write) make the two differ, and the result then matches no sender's digest."""
+    the bytes that landed there, in the form of `like` (the sender's digest: one of the whole
+    bucket, or a parts digest). On the CPU a whole-bucket digest is that of the copy itself.
+    Otherwise the slot is hashed before and after the copy: bytes that changed in between (a late
+    write) make the two differ, and the result then matches no sender's digest."""
     pairs = [(as_bytes(tensors[p.name])[p.offset:p.offset + p.length], slot[p.bucket_offset:p.bucket_offset + p.length])
              for p in bucket.pieces]
+    if is_parts_digest(like):
+        ranges = parse_parts_digest(like)
+        before = parts_digest(slot, ranges)
+        for dst, src in pairs:
+            dst.copy_(src)
+        after = parts_digest(slot, ranges)
+        return after if after == before else f"changed during the copy ({before} -> {after})"
     if all(dst.device.type == "cpu" for dst, _ in pairs):
         return _copy_hashed(pairs)
     before = digest(slot[:bucket.nbytes])
@@ -118,6 +126,44 @@ def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch
         dst.copy_(src)
     after = digest(slot[:bucket.nbytes])
     return after if after == before else f"changed during the copy ({before} -> {after})"
+
+
+# A bucket written by several senders (the ranks of a sharded trainer, each its own bytes) has no
+# one sender that saw all of it: its digest is a list of parts, each range's own xxh3-128, ranges in
+# order and covering the bucket: "parts:START+LENGTH=HEX;...".
+_PARTS = "parts:"
+
+
+def is_parts_digest(d: str) -> bool:
+    return d.startswith(_PARTS)
+
+
+def format_parts_digest(parts: list[tuple[int, int, str]], nbytes: int) -> str:
+    """The digest of a bucket of `nbytes` from its parts (start, length, xxh3 hex); they must cover
+    the bucket exactly, without overlap."""
+    parts = sorted(parts)
+    at = 0
+    for start, length, _ in parts:
+        if start != at or length <= 0:
+            raise ValueError(f"bucket parts do not tile it: a part at {start} (+{length}) where {at} was next")
+        at += length
+    if at != nbytes:
+        raise ValueError(f"bucket parts cover {at} of its {nbytes} bytes")
+    return _PARTS + ";".join(f"{s}+{n}={h}" for s, n, h in parts)
+
+
+def parse_parts_digest(d: str) -> list[tuple[int, int]]:
+    out = []
+    for item in d.removeprefix(_PARTS).split(";"):
+        where, _, _ = item.partition("=")
+        start, _, length = where.partition("+")
+        out.append((int(start), int(length)))
+    return out
+
+
+def parts_digest(slot: torch.Tensor, ranges: list[tuple[int, int]]) -> str:
+    """The parts digest of the slot's bytes over `ranges`."""
+    return _PARTS + ";".join(f"{s}+{n}={digest(slot[s:s + n])}" for s, n in ranges)
 
 
 def digest(data: torch.Tensor) -> str:

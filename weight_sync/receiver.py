@@ -166,7 +166,7 @@ class Receiver:
                 update.paused_at = time.perf_counter()
                 self._set_torn(True)             # from here until commit the live weights are mixed
             bucket = update.plan[req.bucket]
-            got = unpack_verified(bucket, update.slots[req.slot], update.targets)
+            got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest)
             if got != req.digest:
                 update.applied.discard(req.bucket)
                 raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "

@@ -64,6 +64,9 @@ class PushStats:
     commit_s: float = 0.0
     retries: int = 0
     egress_bytes: int = 0          # what the trainer itself wrote (relay: ~bytes; star: ~bytes x receivers)
+    egress_by_rank: list[int] = field(default_factory=list)   # sharded direct push: what each rank wrote
+    gathered_bytes: int = 0        # sharded model (sharded.py): bytes gathered from the ranks for this push
+    peak_gathered_bytes: int = 0   # the most gathered at once (about a bucket's parameters)
     stall_s: dict[str, float] = field(default_factory=dict)
     aborted_requests: dict[str, int] = field(default_factory=dict)
     serving: dict[str, int | None] = field(default_factory=dict)   # receiver -> version it serves (None: unknown)
@@ -141,18 +144,27 @@ class WeightSync:
 
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
-        inflight = InFlight(inflight)
+        # A sharded model's weights (sharded.GatheredWeights) come bucket by bucket: kept as they are.
+        tensors = weights if hasattr(weights, "for_bucket") else named_weights(weights)
+
+        def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+            plan = plan_buckets(specs, self.bucket_bytes)
+            stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
+            self._stream(staging, plan, self._sources(tensors, specs, plan), ref, stats)
+        return self.run_update(version, InFlight(inflight), stage)
+
+    def run_update(self, version: int, inflight: InFlight, stage) -> PushStats:
+        """One update as version `version`: open every receiver, `stage(staging peers, specs, ref,
+        stats)` puts every bucket into them verified, then prepare and the two-phase commit. A
+        sharded push (sharded.py) stages its own way, inside this same update."""
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
-        tensors = named_weights(weights)
         peers = self._peers = [_Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
             staging = [p for p in peers if p.staging]
             if staging:
-                plan = plan_buckets(specs, self.bucket_bytes)
-                stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
-                self._stream(staging, plan, self._sources(tensors, specs), ref, stats)
+                stage(staging, specs, ref, stats)
                 self._each(staging, lambda p: p.client.prepare(self._prepare_request(p, staging, ref, inflight)),
                            "prepare")
         except BaseException:
@@ -249,9 +261,14 @@ class WeightSync:
                 f"it asks its peers); pushing version {v} again completes it", stats)
         return stats
 
-    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
+    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec], plan: list[Bucket]):
         """The trainer's tensors, checked against what receivers need, as contiguous CPU tensors of
-        the receivers' dtype (converted here, once, only where they differ)."""
+        the receivers' dtype (converted here, once, only where they differ). A sharded model's
+        (GatheredWeights) are checked here and converted as each bucket is packed."""
+        if hasattr(tensors, "for_bucket"):
+            tensors.check(specs)
+            tensors.plan(plan)
+            return tensors
         missing = [s.name for s in specs if s.name not in tensors]
         if missing:
             raise WeightSyncError(f"the pushed weights lack {len(missing)} tensors the servers need, e.g. {missing[:3]}")
@@ -293,6 +310,8 @@ class WeightSync:
 
     def _pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], slot: int) -> tuple[float, str]:
         t = time.perf_counter()
+        if hasattr(sources, "for_bucket"):
+            sources = sources.for_bucket(bucket)      # a sharded model: this bucket's tensors gathered now
         dig = pack(bucket, sources, self._local[slot])
         return time.perf_counter() - t, dig
 

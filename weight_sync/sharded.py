@@ -1,0 +1,403 @@
+"""Weight sync from a sharded trainer: FSDP2 (`fully_shard`: DTensor parameters) on every rank of a
+torch.distributed job, without gathering the model.
+
+Every rank calls `push_sharded(model, version, sync)`; rank 0 passes its `WeightSync` (it talks to
+the servers: open, prepare, two-phase commit, exactly as `WeightSync.push`), the other ranks None.
+
+`direct` (the default): each rank writes what it holds straight into the servers' staging slots.
+A parameter sharded on dim 0 (FSDP2's layout) is a contiguous run of rows of the full tensor, so a
+rank's shard of a bucket is a few contiguous byte ranges of it: the rank packs them into one local
+bucket-sized buffer, hashing each range, and writes them with its own transfer engine (its own NIC)
+to their offsets in every server's slot. Parameters that are not sharded on dim 0 (plain tensors,
+other placements) are written by rank 0, those with another placement gathered for their bucket
+only. Rank 0 collects every rank's ranges and hashes (a small gather per bucket) and sends the
+receivers a parts digest (bucket.py): each range checked on its own, the ranges covering the bucket.
+Bucket k + num_slots is written only once every server has verified bucket k. A rank's extra memory
+is one bucket (its staging buffer), plus a dtype conversion of its own shard where the servers'
+dtype differs. Star topology only: relays (chain, tree) use `gather`.
+
+`gather`: the sharded parameters are gathered bucket by bucket, in the plan's order, by all ranks
+together (`DTensor.full_tensor()` is a collective), and rank 0 streams them as a plain push; a
+gathered parameter is dropped once its last piece is packed. Every byte goes through rank 0.
+
+Before each bucket rank 0 tells the others what to do (or that the push stopped); at the end, the
+outcome, so every rank returns the same stats or raises the same error. A rank that dies mid-push
+fails the collective on rank 0, which aborts the update: every server keeps its old version.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from weight_sync import named_weights
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, plan_buckets
+from weight_sync.clients import ReceiverCallError
+from weight_sync.fanout import Fanout, Hop, tree_parents
+from weight_sync.protocol import InFlight, UpdateRef
+from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer
+from weight_sync.transports import Transport, TransportError, WriteOp
+
+log = logging.getLogger(__name__)
+_PLAN, _GO, _DONE, _FAILED = "plan", "go", "done", "failed"
+MODES = ("direct", "gather")
+
+
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def is_sharded(model_or_weights) -> bool:
+    """Whether any of the weights is a DTensor (the model was sharded with fully_shard)."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    dtensor = _dtensor_type()
+    return any(isinstance(t, dtensor) for t in named_weights(model_or_weights).values())
+
+
+class GatheredWeights(Mapping):
+    """Rank 0's view of a sharded model for WeightSync: a bucket's DTensors are gathered (with the
+    other ranks) when the sender packs that bucket, and let go after their last piece."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], group=None):
+        self.tensors, self.group = tensors, group
+        self._dtensor = _dtensor_type()
+        self._held: dict[str, torch.Tensor] = {}        # gathered, CPU, the receivers' dtype
+        self._last: dict[str, int] = {}                 # name -> index of the bucket of its last piece
+        self._dtypes: dict[str, torch.dtype] = {}
+        self.gathered_bytes = self.peak_held_bytes = 0
+
+    # ---- what WeightSync asks -------------------------------------------------------------------
+    def check(self, specs: list[TensorSpec]) -> None:
+        self._dtypes = _check(self.tensors, specs)
+
+    def plan(self, plan: list[Bucket]) -> None:
+        for b in plan:
+            for p in b.pieces:
+                self._last[p.name] = b.index
+
+    def for_bucket(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+        """The bucket's tensors as contiguous CPU tensors of the receivers' dtype; its sharded ones
+        gathered now, every rank told first which ones."""
+        names = list(dict.fromkeys(p.name for p in bucket.pieces))
+        gather = [n for n in names if n not in self._held and isinstance(self.tensors[n], self._dtensor)]
+        _send((_GO, ("gather", gather)), self.group)
+        out = {}
+        for n in names:
+            if n in self._held:
+                out[n] = self._held[n]
+                continue
+            t = self.tensors[n].detach()
+            if isinstance(t, self._dtensor):
+                t = t.full_tensor()
+                self.gathered_bytes += t.nbytes
+            t = _host(t, self._dtypes[n])
+            out[n] = t
+            if self._last[n] > bucket.index:                # a tensor cut across buckets: kept until its last
+                self._held[n] = t
+        self.peak_held_bytes = max(self.peak_held_bytes, sum(t.nbytes for t in out.values()))
+        for n in [n for n in self._held if self._last[n] <= bucket.index]:
+            del self._held[n]
+        return out
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def _check(tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.dtype]:
+    """The weights against what the servers need (a DTensor's shape is the full one); returns the
+    servers' dtype of each."""
+    missing = [s.name for s in specs if s.name not in tensors]
+    if missing:
+        raise WeightSyncError(f"the pushed weights lack {len(missing)} tensors the servers need, e.g. {missing[:3]}")
+    for s in specs:
+        shape = tuple(tensors[s.name].shape)
+        if shape != s.shape:
+            raise WeightSyncError(f"tensor {s.name!r} has shape {shape}; the servers expect {s.shape}")
+    return {s.name: DTYPES[s.dtype] for s in specs}
+
+
+def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        t = t.to("cpu", dtype).contiguous()
+    return t
+
+
+def _send(message, group) -> None:
+    torch.distributed.broadcast_object_list([message], src=_src(group), group=group)
+
+
+def _receive(group):
+    box = [None]
+    torch.distributed.broadcast_object_list(box, src=_src(group), group=group)
+    return box[0]
+
+
+def _src(group) -> int:
+    """The global rank of the group's first rank (rank 0 of the job for the default group)."""
+    return torch.distributed.get_global_rank(group, 0) if group is not None else 0
+
+
+def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: InFlight | str = InFlight.CONTINUE,
+                 mode: str = "direct", group=None) -> PushStats:
+    """Push a sharded model's weights as `version`; call it on every rank, with rank 0's WeightSync
+    on rank 0 and None elsewhere, and the same `mode` everywhere (direct | gather, see above).
+    Returns the push's stats on every rank (the others get rank 0's summary), or raises
+    WeightSyncError on every rank."""
+    if mode not in MODES:
+        raise ValueError(f"push_sharded: mode={mode!r} is not one of {', '.join(MODES)}")
+    rank = torch.distributed.get_rank(group)
+    if (rank == 0) != (sync is not None):
+        raise ValueError(f"push_sharded on rank {rank}: rank 0 passes its WeightSync, the other ranks None "
+                         f"(got {'one' if sync is not None else 'None'})")
+    tensors = named_weights(model)
+    if rank != 0:
+        return _follow(tensors, mode, group)
+    if mode == "direct" and sync.topology != "star":
+        log.warning("push_sharded: direct writes go to a star of servers; topology %s gathers instead", sync.topology)
+        mode = "gather"
+    _send((_PLAN, mode), group)
+    t0 = time.perf_counter()
+    try:
+        if mode == "direct":
+            stats = _DirectPush(sync, tensors, group).push(version, InFlight(inflight))
+        else:
+            weights = GatheredWeights(tensors, group)
+            stats = sync.push(weights, version, inflight=inflight)
+            stats.gathered_bytes, stats.peak_gathered_bytes = weights.gathered_bytes, weights.peak_held_bytes
+    except BaseException as e:
+        try:
+            _send((_FAILED, f"{type(e).__name__}: {e}"), group)
+        except Exception:     # a rank that died mid-push is why it failed: the others learn it from the group
+            pass
+        raise
+    _send((_DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
+                   "seconds": time.perf_counter() - t0, "serving": stats.serving}), group)
+    return stats
+
+
+def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
+    """A rank other than 0: do what rank 0 says, bucket by bucket, until it says how it ended."""
+    kind, body = _receive(group)
+    if kind == _FAILED:
+        raise WeightSyncError(f"the push failed on rank 0: {body}")
+    if kind != _PLAN or body not in MODES:
+        raise WeightSyncError(f"push_sharded: rank 0 said {kind!r} where a plan was due (ranks out of step)")
+    if body != mode:
+        log.info("push_sharded: rank 0 pushes with mode %s", body)
+    dtensor = _dtensor_type()
+    writer: _RankWriter | None = None
+    peak = 0
+    while True:
+        kind, body = _receive(group)
+        if kind == _GO and body[0] == "gather":
+            held = [tensors[n].detach().full_tensor() for n in body[1] if isinstance(tensors[n], dtensor)]
+            peak = max(peak, sum(t.nbytes for t in held))
+            del held
+        elif kind == _GO and body[0] == "specs":
+            specs, bucket_bytes, timeout_s = body[1:]
+            writer = _RankWriter(tensors, group, [TensorSpec(*s) for s in specs], bucket_bytes, timeout_s)
+        elif kind == _GO and body[0] == "write":
+            _, k, targets = body
+            _gather(writer.write(k, targets), group)
+        elif kind == _DONE:
+            stats = PushStats(version=body["version"], bytes=body["bytes"], buckets=body["buckets"],
+                              seconds=body["seconds"], serving=body["serving"])
+            stats.peak_gathered_bytes = max(peak, writer.peak_gathered_bytes if writer else 0)
+            return stats
+        else:
+            raise WeightSyncError(f"the push failed on rank 0: {body}")
+
+
+# ---- direct: every rank writes its own bytes ---------------------------------------------------------
+def _shard0_rows(t) -> tuple[int, int] | None:
+    """Rows [start, end) of the full tensor held by this rank's local shard, when `t` is sharded on
+    dim 0 over a 1-D mesh (FSDP2's layout: torch.chunk's split); None for any other layout."""
+    from torch.distributed.tensor import Shard
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return None
+    n, world, r = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = -(-n // world)
+    start = min(n, r * chunk)
+    end = min(n, start + chunk)
+    return (start, end) if t.to_local().shape[0] == end - start else None
+
+
+_WRITERS: dict[str, tuple[Transport, torch.Tensor]] = {}   # a rank's engine and buffer, by its host
+
+
+def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None) -> tuple[Transport, torch.Tensor]:
+    """This rank's transfer engine and a registered buffer of at least `nbytes`, kept for the next
+    pushes: on rank 0 its WeightSync's engine (the buffer lives and goes with the WeightSync), on
+    the others one engine per process, on the address that routes toward the servers."""
+    if sync is not None:
+        transport, buf = sync.transport, getattr(sync, "_direct_buffer", None)
+    else:
+        from weight_sync.transports.mooncake import MooncakeTransport, routable_host
+        host = routable_host(toward.rsplit(":", 1)[0])
+        transport, buf = _WRITERS[host] if host in _WRITERS else (MooncakeTransport(host), None)
+    if buf is None or buf.numel() < nbytes:
+        if buf is not None:
+            transport.unregister(buf.data_ptr())
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        transport.register(buf)
+    if sync is not None:
+        sync._direct_buffer = buf
+    else:
+        _WRITERS[host] = (transport, buf)
+    return transport, buf
+
+
+class _RankWriter:
+    """One rank's part of a direct push: its bytes of each bucket, packed and hashed into its local
+    buffer, written to their offsets in every server's slot."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], group, specs: list[TensorSpec], bucket_bytes: int,
+                 timeout_s: float, sync: WeightSync | None = None):
+        self.tensors, self.group, self.timeout_s, self.sync = tensors, group, timeout_s, sync
+        self.rank = torch.distributed.get_rank(group)
+        self.plan = plan_buckets(specs, bucket_bytes)
+        self.dtypes = {s.name: DTYPES[s.dtype] for s in specs}
+        self.bucket_bytes = bucket_bytes
+        self._dtensor = _dtensor_type()
+        self._last = {p.name: b.index for b in self.plan for p in b.pieces}
+        self._local: dict[str, tuple[torch.Tensor, int]] = {}    # name -> (flat bytes in the servers' dtype, first byte)
+        self.peak_gathered_bytes = 0
+
+    def _bytes(self, name: str) -> tuple[torch.Tensor, int] | None:
+        """This rank's bytes of tensor `name` (flat uint8, the servers' dtype) and the byte of the
+        full tensor they start at; None when another rank writes it (rank 0 writes what is not
+        sharded on dim 0)."""
+        if name not in self._local:          # once per tensor, on every rank alike (a gather is collective)
+            self._local[name] = self._take(name)
+        return self._local[name]
+
+    def _take(self, name: str) -> tuple[torch.Tensor, int] | None:
+        t, dtype = self.tensors[name].detach(), self.dtypes[name]
+        if isinstance(t, self._dtensor):
+            rows = _shard0_rows(t)
+            if rows is None:                   # another placement: gathered, for as long as its buckets last
+                t, start = t.full_tensor(), 0
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, t.nbytes)
+                if self.rank != 0:
+                    return None
+            else:
+                start = rows[0] * math.prod(t.shape[1:]) * dtype.itemsize
+                t = t.to_local()
+        elif self.rank != 0:
+            return None
+        else:
+            start = 0
+        return as_bytes(_host(t, dtype)), start
+
+    def write(self, k: int, targets: list[tuple[str, int]]) -> tuple[list[tuple[int, int, str]], dict[int, str], int]:
+        """Bucket k's bytes this rank holds into every target (session, slot address). Returns the
+        parts written (bucket offset, length, xxh3), the targets whose write failed (index -> why)
+        and the bytes this rank sent."""
+        bucket = self.plan[k]
+        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", self.bucket_bytes, self.sync)
+        parts, ops, at = [], [], 0
+        for p in bucket.pieces:
+            mine = self._bytes(p.name)
+            if mine is not None:
+                data, start = mine
+                lo, hi = max(start, p.offset), min(start + data.numel(), p.offset + p.length)
+                if lo < hi:
+                    h = _copy_hashed([(buf[at:at + hi - lo], data[lo - start:hi - start])])
+                    parts.append((p.bucket_offset + lo - p.offset, hi - lo, h))
+                    ops.append((at, p.bucket_offset + lo - p.offset, hi - lo))
+                    at += hi - lo
+            if self._last[p.name] <= k:
+                self._local.pop(p.name, None)
+        errors, sent = {}, 0
+        if ops:
+            base = buf.data_ptr()
+            for i, (session, addr) in enumerate(targets):
+                try:
+                    transport.write(session, [WriteOp(base + a, addr + b, n) for a, b, n in ops], self.timeout_s)
+                    sent += at
+                except TransportError as e:
+                    errors[i] = f"rank {self.rank}: {e}"
+        return parts, errors, sent
+
+
+def _gather(obj, group) -> list | None:
+    dist = torch.distributed
+    rank = dist.get_rank(group)
+    out = [None] * dist.get_world_size(group) if rank == 0 else None
+    dist.gather_object(obj, out, dst=_src(group), group=group)
+    return out
+
+
+def _no_write(peer, local_slot: int, k: int, nbytes: int) -> None:
+    """The ranks have written bucket k already; a digest that fails is not written again (the
+    bytes came from every rank): the update fails and is aborted."""
+
+
+class _DirectPush:
+    """Rank 0's side of a direct push: WeightSync's open, prepare and commit around buckets every
+    rank writes."""
+
+    def __init__(self, sync: WeightSync, tensors: dict[str, torch.Tensor], group):
+        self.sync, self.tensors, self.group = sync, tensors, group
+
+    def push(self, version: int, inflight: InFlight) -> PushStats:
+        return self.sync.run_update(version, inflight, self._stage)
+
+    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+        sync = self.sync
+        _check(self.tensors, specs)
+        wire = [(s.name, s.dtype, s.shape) for s in specs]
+        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s)), self.group)
+        writer = _RankWriter(self.tensors, self.group, specs, sync.bucket_bytes, sync.timeout_s, sync)
+        stats.buckets, stats.bytes = len(writer.plan), sum(b.nbytes for b in writer.plan)
+        self._stream(staging, writer, ref, stats)
+        stats.peak_gathered_bytes = writer.peak_gathered_bytes
+
+    def _stream(self, peers: list[_Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
+        sync, n = self.sync, self.sync.num_slots
+        hop = Hop(_no_write, sync._drop, sync.timeout_s, 0)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(Fanout.pool_size(len(peers), n), thread_name_prefix="weight-sync-sharded") as pool:
+            # A ring of num_slots "local" slots: bucket k starts once bucket k - num_slots has been
+            # verified everywhere, which is when every server's slot k % num_slots is free again.
+            fan = Fanout(peers, tree_parents(len(peers), "star"), n, n, ref, hop, pool)
+            moving = []
+            try:
+                for k, bucket in enumerate(writer.plan):
+                    fan.take_local(k)
+                    for f in moving:
+                        if f.done():
+                            f.result()
+                    live = [p for p in peers if p.error is None]
+                    targets = [(p.reply.session, p.reply.slot_addrs[k % n]) for p in live]
+                    _send((_GO, ("write", k, targets)), self.group)
+                    results = _gather(writer.write(k, targets), self.group)
+                    parts = [part for r in results for part in r[0]]
+                    if not stats.egress_by_rank:
+                        stats.egress_by_rank = [0] * len(results)
+                    for rank, r in enumerate(results):
+                        stats.egress_bytes += r[2]
+                        stats.egress_by_rank[rank] += r[2]
+                        for i, why in r[1].items():
+                            sync._drop(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
+                    digest = format_parts_digest(parts, bucket.nbytes)
+                    moving.append(pool.submit(fan.bucket, k, bucket.nbytes, digest))
+                for f in moving:
+                    f.result()
+            except BaseException as e:
+                fan.failed = fan.failed or e
+                raise
+        stats.transfer_s = time.perf_counter() - t
+        stats.apply_s, stats.retries = fan.apply_s, fan.retries
