@@ -9,12 +9,19 @@ either mode (copy, sync: 0.184 and 0.206 mean final reward over 3 seeds against 
 1e-3 one step moves this tiny model's policy by ~0.1 (KL k3 a token between the weights that
 sampled a token and the trainer's; an LLM run at lr ~1e-6 moves it orders of magnitude less), and
 the async run trains one version behind: on copy_varlen async ended at 0.122 +- 0.023 against
-sync's 0.148 +- 0.008; at 5e-4 (KL ~0.04) 0.142 +- 0.020 against 0.141 +- 0.031. On copy the async run
-still trails at 5e-4: by more than a pooled std in 2 of 3 runs (0.129 +- 0.025 against 0.206 +- 0.029;
-0.120 +- 0.021 against 0.177 +- 0.028), and per second too (the sync run had 0.143 at the async run's
-step-loop time, in the run that measured it). The per-token KL is
+sync's 0.148 +- 0.008; at 5e-4 (KL ~0.04) 0.142 +- 0.020 against 0.141 +- 0.031. At 60 steps the async
+run still trailed on copy by more than a pooled std in 2 of 3 runs (0.129 +- 0.025 against 0.206 +-
+0.029; 0.120 +- 0.021 against 0.177 +- 0.028). At 100 steps (the default since) it was within one in
+3 of 3 runs on copy (async 0.177, 0.173, 0.192 against sync 0.196, 0.189, 0.188, pooled std 0.021,
+0.033, 0.037) and 2 of 3 on copy_varlen (0.150 against 0.193 +- 0.020 the third). The per-token KL is
 in the JSON (async_behaviour_kl_per_token), and so is learning per second
 (sync_reward_at_async_seconds_mean).
+
+The wall-time speedup depends on what the runs learn, not only on the overlap: a step costs about its
+response lengths, and a sync run that learns to stop early (copy's answers are 8 digits) gets cheaper
+steps. Three runs at 100 steps gave copy 1.566, 1.275 and 1.493 (the 1.275 run: two sync seeds at mean
+responses of 15.9 and 13.4 tokens against async's 22.3 and 30.7) and copy_varlen, whose lengths the
+task sets, 1.49, 1.51 and 1.605; steps_speedups (the step loop alone) has the same spread.
 
 Every workload runs sync and async on every seed (the seed sets the data order, the sampling and
 the trainer's RNG; the random model is the same for all), so learning is compared over seeds:
