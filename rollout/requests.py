@@ -112,7 +112,7 @@ class Requests:
             try:
                 await client.abort(server_rids)
             except ServerError as e:
-                log.info("abort of %d requests on %s failed: %s", len(server_rids), client.url, e)
+                log.warning("abort of %d requests on %s failed (they go on): %s", len(server_rids), client.url, e)
         await asyncio.gather(*(one(c, r) for c, r in by_server.values()))
 
     def tokens_left(self, rid: str) -> float:

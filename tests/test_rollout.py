@@ -112,8 +112,9 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
         client = m.router.clients[0]
         tokens0 = (await client.get("/get_server_info"))["stats"]["generation_tokens"]
         await m.start()
-        while len(m.inflight) < 8 or \
-                (await client.get("/get_server_info"))["stats"]["generation_tokens"] < tokens0 + 8 * 4:
+        # every request decoding on the server (not still on its way there), with tokens to resume
+        while len(m.inflight) < 8 or (info := await client.get("/get_server_info"))["num_running"] < 8 or \
+                info["stats"]["generation_tokens"] < tokens0 + 8 * 4:
             await asyncio.sleep(0.01)
         # hold the requests where they are (KV kept) while the push runs, so none can finish its
         # 1000 tokens before the new version lands, however slow the push is on a busy machine
@@ -121,15 +122,19 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
         sync = WeightSync([url], bucket_bytes=1 << 20)
         await asyncio.to_thread(sync.push, new, version)
         sync.close()
+        aborted0 = (await client.get("/get_server_info"))["stats"]["aborted_requests"]
+        inflight = len(m.inflight)
         await m.on_weights_updated(version, wait=True)
+        aborted = (await client.get("/get_server_info"))["stats"]["aborted_requests"] - aborted0
         await client._post("/continue_generation", {})
         groups, metrics = await m.next_batch()
         await m.stop()
-        return groups, metrics
-    groups, metrics = run(main())
+        return groups, metrics, f"{inflight} requests in flight at the update, {aborted} aborted on the server"
+    groups, metrics, seen = run(main())
     samples = [s for g in groups for s in g.samples]
     resumed = [s for s in samples if s.num_aborts > 0]
-    assert resumed and metrics["tokens_aborted"] > 0 and metrics["tokens_resumed"] > 0
+    assert resumed, f"no resumed sample in the batch: {seen}; {[(s.group_id, s.num_aborts) for s in samples]}"
+    assert metrics["tokens_aborted"] > 0 and metrics["tokens_resumed"] > 0
     # a request still in its prefill at the pause (a busy machine splits prefills) has no old tokens
     assert any(set(s.versions) == {version - 1, version} for s in resumed)
     for s in resumed:
