@@ -164,8 +164,8 @@ class RolloutBackend:
         stays in the push flips, or none), evict the servers it lost, then let the manager apply
         its in-flight policy. Returns the push's PushStats. A model sharded with FSDP2
         (`fully_shard`) is pushed from rank 0, which holds the backend, while every other rank calls
-        `weight_sync.sharded.push_sharded(model, version)`: its parameters are gathered a bucket
-        at a time, never the whole model."""
+        `weight_sync.sharded.push_sharded(model, version)`: each rank writes the shard it holds,
+        and no rank gathers the model."""
         self._admit()
         stats = self._push(model, version)
         self.version = version
@@ -318,7 +318,6 @@ class RolloutBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
 
 
 def in_background(fn: Callable[[], None], name: str) -> Callable[[], None]:

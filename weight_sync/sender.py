@@ -24,7 +24,7 @@ import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -51,6 +51,19 @@ class CommitIncomplete(WeightSyncError):
     `stats.serving` says who serves what as far as the sender knows, `stats.pending` who is missing."""
 
 
+def check_weights(tensors: Mapping[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.dtype]:
+    """The pushed weights against what the receivers need (names and shapes; a DTensor's shape is
+    the full one); returns the receivers' dtype of each."""
+    missing = [s.name for s in specs if s.name not in tensors]
+    if missing:
+        raise WeightSyncError(f"the pushed weights lack {len(missing)} tensors the servers need, e.g. {missing[:3]}")
+    for s in specs:
+        shape = tuple(tensors[s.name].shape)
+        if shape != s.shape:
+            raise WeightSyncError(f"tensor {s.name!r} has shape {shape}; the servers expect {s.shape}")
+    return {s.name: DTYPES[s.dtype] for s in specs}
+
+
 @dataclass
 class PushStats:
     version: int
@@ -65,7 +78,6 @@ class PushStats:
     retries: int = 0
     egress_bytes: int = 0          # what the trainer itself wrote (relay: ~bytes; star: ~bytes x receivers)
     egress_by_rank: list[int] = field(default_factory=list)   # sharded direct push: what each rank wrote
-    gathered_bytes: int = 0        # sharded model (sharded.py): bytes gathered from the ranks for this push
     peak_gathered_bytes: int = 0   # the most gathered at once (about a bucket's parameters)
     stall_s: dict[str, float] = field(default_factory=dict)
     aborted_requests: dict[str, int] = field(default_factory=dict)
@@ -144,14 +156,18 @@ class WeightSync:
 
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
-        # A sharded model's weights (sharded.GatheredWeights) come bucket by bucket: kept as they are.
-        tensors = weights if hasattr(weights, "for_bucket") else named_weights(weights)
+        tensors = named_weights(weights)
 
         def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
-            plan = plan_buckets(specs, self.bucket_bytes)
-            stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
-            self._stream(staging, plan, self._sources(tensors, specs, plan), ref, stats)
+            sources = self._sources(tensors, specs)
+            self.stream(staging, self.plan(specs, stats), lambda bucket: sources, ref, stats)
         return self.run_update(version, InFlight(inflight), stage)
+
+    def plan(self, specs: list[TensorSpec], stats: PushStats) -> list[Bucket]:
+        """The update's buckets (counted in `stats`)."""
+        plan = plan_buckets(specs, self.bucket_bytes)
+        stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
+        return plan
 
     def run_update(self, version: int, inflight: InFlight, stage) -> PushStats:
         """One update as version `version`: open every receiver, `stage(staging peers, specs, ref,
@@ -261,29 +277,23 @@ class WeightSync:
                 f"it asks its peers); pushing version {v} again completes it", stats)
         return stats
 
-    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec], plan: list[Bucket]):
+    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
         """The trainer's tensors, checked against what receivers need, as contiguous CPU tensors of
-        the receivers' dtype (converted here, once, only where they differ). A sharded model's
-        (GatheredWeights) are checked here and converted as each bucket is packed."""
-        if hasattr(tensors, "for_bucket"):
-            tensors.check(specs)
-            tensors.plan(plan)
-            return tensors
-        missing = [s.name for s in specs if s.name not in tensors]
-        if missing:
-            raise WeightSyncError(f"the pushed weights lack {len(missing)} tensors the servers need, e.g. {missing[:3]}")
+        the receivers' dtype (converted here, once, only where they differ)."""
+        dtypes = check_weights(tensors, specs)
         out = {}
         for s in specs:
             t = tensors[s.name].detach()
-            if tuple(t.shape) != s.shape:
-                raise WeightSyncError(f"tensor {s.name!r} has shape {tuple(t.shape)}; the servers expect {s.shape}")
-            if t.device.type != "cpu" or t.dtype != DTYPES[s.dtype] or not t.is_contiguous():
-                t = t.to("cpu", DTYPES[s.dtype]).contiguous()
+            if t.device.type != "cpu" or t.dtype != dtypes[s.name] or not t.is_contiguous():
+                t = t.to("cpu", dtypes[s.name]).contiguous()
             out[s.name] = t
         return out
 
-    def _stream(self, peers: list[_Peer], plan: list[Bucket], sources, ref: UpdateRef, stats: PushStats) -> None:
-        """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel."""
+    def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
+               ref: UpdateRef, stats: PushStats) -> None:
+        """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
+        `sources(bucket)`: the bucket's tensors (contiguous, CPU, the receivers' dtype), asked for in
+        plan order just before it is packed (a sharded model gathers them then)."""
         self._ensure_local(max(b.nbytes for b in plan))
         ring, t = len(self._local), time.perf_counter()
         hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
@@ -297,7 +307,7 @@ class WeightSync:
                     for f in moving:
                         if f.done():
                             f.result()       # an update that cannot go on stops here
-                    pack_s, dig = self._pack(bucket, sources, k % ring)
+                    pack_s, dig = self._pack(bucket, sources(bucket), k % ring)
                     stats.pack_s += pack_s
                     moving.append(pool.submit(fan.bucket, k, bucket.nbytes, dig))
                 for f in moving:
@@ -308,10 +318,8 @@ class WeightSync:
         stats.transfer_s = time.perf_counter() - t
         stats.apply_s, stats.retries, stats.egress_bytes = fan.apply_s, fan.retries, fan.egress_bytes
 
-    def _pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], slot: int) -> tuple[float, str]:
+    def _pack(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: int) -> tuple[float, str]:
         t = time.perf_counter()
-        if hasattr(sources, "for_bucket"):
-            sources = sources.for_bucket(bucket)      # a sharded model: this bucket's tensors gathered now
         dig = pack(bucket, sources, self._local[slot])
         return time.perf_counter() - t, dig
 

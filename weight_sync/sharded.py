@@ -29,17 +29,16 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from weight_sync import named_weights
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, plan_buckets
+from weight_sync.bucket import Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, plan_buckets
 from weight_sync.clients import ReceiverCallError
 from weight_sync.fanout import Fanout, Hop, tree_parents
 from weight_sync.protocol import InFlight, UpdateRef
-from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer
+from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, check_weights
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -60,28 +59,29 @@ def is_sharded(model_or_weights) -> bool:
     return any(isinstance(t, dtensor) for t in named_weights(model_or_weights).values())
 
 
-class GatheredWeights(Mapping):
-    """Rank 0's view of a sharded model for WeightSync: a bucket's DTensors are gathered (with the
-    other ranks) when the sender packs that bucket, and let go after their last piece."""
+class _GatherPush:
+    """Rank 0's side of a gather push: a plain WeightSync stream whose sharded tensors are gathered
+    (with the other ranks) as the sender packs each bucket, and let go after their last piece."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], group=None):
-        self.tensors, self.group = tensors, group
+    def __init__(self, sync: WeightSync, tensors: dict[str, torch.Tensor], group):
+        self.sync, self.tensors, self.group = sync, tensors, group
         self._dtensor = _dtensor_type()
         self._held: dict[str, torch.Tensor] = {}        # gathered, CPU, the receivers' dtype
         self._last: dict[str, int] = {}                 # name -> index of the bucket of its last piece
         self._dtypes: dict[str, torch.dtype] = {}
-        self.gathered_bytes = self.peak_held_bytes = 0
+        self.peak_held_bytes = 0
 
-    # ---- what WeightSync asks -------------------------------------------------------------------
-    def check(self, specs: list[TensorSpec]) -> None:
-        self._dtypes = _check(self.tensors, specs)
+    def push(self, version: int, inflight: InFlight) -> PushStats:
+        return self.sync.run_update(version, inflight, self._stage)
 
-    def plan(self, plan: list[Bucket]) -> None:
-        for b in plan:
-            for p in b.pieces:
-                self._last[p.name] = b.index
+    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+        self._dtypes = check_weights(self.tensors, specs)
+        plan = self.sync.plan(specs, stats)
+        self._last = {p.name: b.index for b in plan for p in b.pieces}
+        self.sync.stream(staging, plan, self._bucket, ref, stats)
+        stats.peak_gathered_bytes = self.peak_held_bytes
 
-    def for_bucket(self, bucket: Bucket) -> dict[str, torch.Tensor]:
+    def _bucket(self, bucket: Bucket) -> dict[str, torch.Tensor]:
         """The bucket's tensors as contiguous CPU tensors of the receivers' dtype; its sharded ones
         gathered now, every rank told first which ones."""
         names = list(dict.fromkeys(p.name for p in bucket.pieces))
@@ -95,7 +95,6 @@ class GatheredWeights(Mapping):
             t = self.tensors[n].detach()
             if isinstance(t, self._dtensor):
                 t = t.full_tensor()
-                self.gathered_bytes += t.nbytes
             t = _host(t, self._dtypes[n])
             out[n] = t
             if self._last[n] > bucket.index:                # a tensor cut across buckets: kept until its last
@@ -104,28 +103,6 @@ class GatheredWeights(Mapping):
         for n in [n for n in self._held if self._last[n] <= bucket.index]:
             del self._held[n]
         return out
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-
-def _check(tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.dtype]:
-    """The weights against what the servers need (a DTensor's shape is the full one); returns the
-    servers' dtype of each."""
-    missing = [s.name for s in specs if s.name not in tensors]
-    if missing:
-        raise WeightSyncError(f"the pushed weights lack {len(missing)} tensors the servers need, e.g. {missing[:3]}")
-    for s in specs:
-        shape = tuple(tensors[s.name].shape)
-        if shape != s.shape:
-            raise WeightSyncError(f"tensor {s.name!r} has shape {shape}; the servers expect {s.shape}")
-    return {s.name: DTYPES[s.dtype] for s in specs}
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -173,9 +150,7 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
         if mode == "direct":
             stats = _DirectPush(sync, tensors, group).push(version, InFlight(inflight))
         else:
-            weights = GatheredWeights(tensors, group)
-            stats = sync.push(weights, version, inflight=inflight)
-            stats.gathered_bytes, stats.peak_gathered_bytes = weights.gathered_bytes, weights.peak_held_bytes
+            stats = _GatherPush(sync, tensors, group).push(version, InFlight(inflight))
     except BaseException as e:
         try:
             _send((_FAILED, f"{type(e).__name__}: {e}"), group)
@@ -207,7 +182,9 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
             del held
         elif kind == _GO and body[0] == "specs":
             specs, bucket_bytes, timeout_s = body[1:]
-            writer = _RankWriter(tensors, group, [TensorSpec(*s) for s in specs], bucket_bytes, timeout_s)
+            specs = [TensorSpec(*s) for s in specs]
+            writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
+                                 bucket_bytes, timeout_s)
         elif kind == _GO and body[0] == "write":
             _, k, targets = body
             _gather(writer.write(k, targets), group)
@@ -263,13 +240,11 @@ class _RankWriter:
     """One rank's part of a direct push: its bytes of each bucket, packed and hashed into its local
     buffer, written to their offsets in every server's slot."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], group, specs: list[TensorSpec], bucket_bytes: int,
-                 timeout_s: float, sync: WeightSync | None = None):
-        self.tensors, self.group, self.timeout_s, self.sync = tensors, group, timeout_s, sync
+    def __init__(self, tensors: dict[str, torch.Tensor], group, plan: list[Bucket], dtypes: dict[str, torch.dtype],
+                 bucket_bytes: int, timeout_s: float, sync: WeightSync | None = None):
+        self.tensors, self.group, self.plan, self.dtypes = tensors, group, plan, dtypes
+        self.bucket_bytes, self.timeout_s, self.sync = bucket_bytes, timeout_s, sync
         self.rank = torch.distributed.get_rank(group)
-        self.plan = plan_buckets(specs, bucket_bytes)
-        self.dtypes = {s.name: DTYPES[s.dtype] for s in specs}
-        self.bucket_bytes = bucket_bytes
         self._dtensor = _dtensor_type()
         self._last = {p.name: b.index for b in self.plan for p in b.pieces}
         self._local: dict[str, tuple[torch.Tensor, int]] = {}    # name -> (flat bytes in the servers' dtype, first byte)
@@ -357,11 +332,11 @@ class _DirectPush:
 
     def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         sync = self.sync
-        _check(self.tensors, specs)
+        dtypes = check_weights(self.tensors, specs)
+        plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
         _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s)), self.group)
-        writer = _RankWriter(self.tensors, self.group, specs, sync.bucket_bytes, sync.timeout_s, sync)
-        stats.buckets, stats.bytes = len(writer.plan), sum(b.nbytes for b in writer.plan)
+        writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
 
