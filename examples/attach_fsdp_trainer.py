@@ -5,8 +5,8 @@
 
 Rank 0 holds the RolloutBackend (servers, rollout, weight sync) and shares each batch with the other
 ranks; every rank trains on its share of the rows (FSDP2 reduce-scatters the gradients). Every rank
-takes part in the push: rank 0 calls `backend.push_weights`, the others `push_sharded`, and the
-parameters are gathered a bucket at a time while rank 0 streams them, never the whole model.
+takes part in the push: rank 0 calls `backend.push_weights`, the others `push_sharded`, and each
+rank writes the rows of every parameter it holds straight into the servers: no rank gathers the model.
 On CPU the ranks talk over gloo; on GPUs use nccl (and a device per rank).
 """
 import os
@@ -64,7 +64,7 @@ try:
         loss.backward()                                           # gradients averaged over the ranks
         optimizer.step()
         if rank == 0:
-            backend.push_weights(model, version=step + 1)         # with the other ranks' gathers
+            backend.push_weights(model, version=step + 1)         # with the other ranks' own writes
             print(f"step {step}: reward {b['reward']:.3f}  staleness {b['staleness']}", flush=True)
         else:
             push_sharded(model, step + 1)

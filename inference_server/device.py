@@ -43,6 +43,25 @@ def choose_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """The device of a trainer rank: `choose_device(name)`, and on an accelerator the rank's own
+    one (index `local_rank`, as torchrun numbers the processes of a machine) unless `name` gives one."""
+    device = choose_device(name)
+    if device.type == "cpu":
+        return device
+    if device.index is None:
+        device = torch.device(device.type, local_rank)
+    getattr(torch, device.type).set_device(device)
+    return device
+
+
+DIST_BACKEND = {"cuda": "nccl", "npu": "hccl"}     # torch.distributed's backend per device; gloo on CPU
+
+
+def dist_backend(device: torch.device) -> str:
+    return DIST_BACKEND.get(device.type, "gloo")
+
+
 def choose_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is bfloat16 on accelerators and float32 on CPU (CPU half-precision matmuls are slow)."""
     if name == "auto":

@@ -129,6 +129,7 @@ class _OpenAISampling(BaseModel):
     seed: Union[StrictInt, None] = None
     stream: Union[StrictBool, None] = False
     stream_options: Union[dict, None] = None
+    ignore_eos: StrictBool = False          # vLLM's and SGLang's extension: generate max_tokens whatever comes
 
     def unsupported(self) -> list[str]:
         """The fields this request sets that Riptide does not implement (a neutral value passes)."""

@@ -9,16 +9,14 @@ import argparse
 import functools
 import logging
 import os
-import signal
 import sys
-import threading
-import time
 
 import uvicorn
 
 from inference_server import weights
 from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app, is_loopback
+from inference_server.process import watch_parent
 from weight_sync import routes
 from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
@@ -99,20 +97,6 @@ class EnginePort:
 
     def mark_torn(self, torn: bool) -> None:
         self.engine.weights_torn = torn
-
-
-def watch_parent(pid: int) -> None:
-    """Die at once when the process that launched this server is gone (its node lost, or killed):
-    a server nobody manages must not go on serving, not even the requests it holds."""
-    def run():
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGKILL)
-                return
-    threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:

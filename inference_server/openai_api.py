@@ -32,7 +32,7 @@ def _sampling(req, max_tokens: int, top_logprobs: int) -> SamplingParamsIn:
     return SamplingParamsIn(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, min_p=req.min_p,
                             stop=req.stop, stop_token_ids=req.stop_token_ids, n=req.n or 1, seed=req.seed,
-                            top_logprobs=top_logprobs)
+                            top_logprobs=top_logprobs, ignore_eos=req.ignore_eos)
 
 
 def _usage(seqs) -> dict:

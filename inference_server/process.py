@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def watch_parent(pid: int) -> None:
+    """Die at once when the process that launched this one is gone (its node lost, or killed):
+    a process nobody manages must not go on (a server must not serve, not even the
+    requests it holds; a trainer rank must not hold its peers' collectives)."""
+    def run():
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return
+    threading.Thread(target=run, name="parent-watch", daemon=True).start()
 
 
 class ServerProcess:

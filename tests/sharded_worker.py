@@ -2,14 +2,16 @@
 tests/test_sharded.py as real processes (`python tests/sharded_worker.py`, env RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT as torchrun sets them).
 
-    sharded_worker.py MODEL_PATH SERVER_URL VERSION OUT_JSON [--die-at-message N] [--bucket-kb K]
+    sharded_worker.py MODEL_PATH SERVER_URL[,URL...] VERSION OUT_JSON [--die-at-message N] [--bucket-kb K]
+                      [--mode direct|gather] [--topology star|chain|tree]
 
 Every rank loads the checkpoint, moves its weights by the same seeded noise (so they differ from
 what the server loaded), shards it with fully_shard (each decoder layer, then the root) and calls
 push_sharded. Rank 0 writes OUT_JSON: the push's outcome, the digest of the full (gathered) weights,
 and the gathered model saved with save_pretrained (for a server to load) under OUT_JSON's dir.
 `--die-at-message N`: rank 1 exits at once (os._exit) on rank 0's message N (0: the plan, then
-one a bucket): a rank lost mid-push. `--mode direct|gather`: push_sharded's mode.
+one a bucket): a rank lost mid-push. `--mode direct|gather`: push_sharded's mode; `--topology`:
+the WeightSync's, over the servers given.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--die-at-message", type=int, default=-1)
     p.add_argument("--bucket-kb", type=int, default=256)
     p.add_argument("--mode", default="direct")
+    p.add_argument("--topology", default="star")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -67,7 +70,8 @@ def main() -> None:
             return receive(group)
         sharded._receive = dying
 
-    sync = WeightSync([a.url], bucket_bytes=a.bucket_kb << 10, timeout_s=20) if rank == 0 else None
+    sync = WeightSync(a.url.split(","), bucket_bytes=a.bucket_kb << 10, timeout_s=20,
+                      topology=a.topology) if rank == 0 else None
     result: dict = {"rank": rank}
     try:
         stats = sharded.push_sharded(model, a.version, sync, mode=a.mode)

@@ -1,6 +1,7 @@
 """A fleet past one machine: a real 3-node Ray cluster on loopback (ray.cluster_utils.Cluster, each
 node with its own resources), real servers in placement groups, the real Mooncake engine, nodes
 removed and servers frozen with signals while rollouts run."""
+import json
 import os
 import signal
 import time
@@ -185,6 +186,14 @@ def test_a_short_grpo_run_with_cluster_ray(cluster, chars_model, tmp_path):
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):
         cfg = compose(config_name="config", overrides=[
             "cluster=ray", f"cluster.address={c.address}", f"run_dir={tmp_path / 'run'}", f"model.path={chars_model}",
-            "model.build_tiny=false", "server.num_servers=2", "trainer.steps=3", "logger.wandb=false", *JOB_FAST])
+            "model.build_tiny=false", "server.num_servers=2", "trainer.steps=3", "logger.wandb=false",
+            "trainer.world_size=2", "trainer.checkpoint_every=2", *JOB_FAST])
     result = run(to_job(cfg))
-    assert result["steps"] == 3 and (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 3
+    assert result["steps"] == 3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    # trainer rank 1 was a Ray actor (the third node's CPU): it wrote its own shard into the servers
+    assert rows[-1]["sync/egress_bytes/rank1"] > 0 and rows[-1]["sync/egress_bytes/rank0"] > 0
+    assert (tmp_path / "run" / "checkpoints" / "step-000003" / "sharded").is_dir()
+    assert not ray.util.placement_group_table() or all(
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())

@@ -3,6 +3,7 @@ only these dataclasses. Every field has its help text; `validate()` says what to
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,8 @@ class ClusterConfig:
     server_cpus: float = f(1.0, "ray: CPUs in each server's placement group")
     tensor_parallel: int = f(1, "ray: accelerators (GPU / NPU) in each server's placement group")
     placement_timeout_s: float = f(60.0, "ray: how long a server's placement may wait for resources")
+    trainer_cpus: float = f(1.0, "ray: CPUs of each trainer rank's bundle (trainer.world_size > 1: ranks 1..k-1 are "
+                                 "actors; rank 0 is the job's own process), plus one GPU / NPU on accelerators")
     rollout_process: bool = f(True, "run the rollout manager in its own process (off the trainer's GIL)")
     replace_evicted: bool = f(True, "start a replacement for each server evicted from the fleet")
 
@@ -164,6 +167,7 @@ class ClusterConfig:
         return failed([
             (self.kind in ("local", "ray"), f"cluster.kind={self.kind!r}: use local or ray (cluster=local | cluster=ray)"),
             (self.server_cpus > 0, f"cluster.server_cpus={self.server_cpus}: must be > 0"),
+            (self.trainer_cpus > 0, f"cluster.trainer_cpus={self.trainer_cpus}: must be > 0"),
             (self.tensor_parallel >= 1, f"cluster.tensor_parallel={self.tensor_parallel}: must be >= 1"),
             (self.placement_timeout_s > 0, f"cluster.placement_timeout_s={self.placement_timeout_s}: must be > 0")])
 
@@ -189,7 +193,10 @@ class TrainerConfig:
     tis_cap: float = f(2.0, "truncated importance sampling cap between trainer and server logprobs (0: off)")
     kl_coef: float = f(0.0, "k3 KL penalty to the initial model (0: off, no reference model kept)")
     dtype: str = f("float32", "float32 | bfloat16 (autocast on accelerators)")
-    device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
+    device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N] (with world_size > 1: each rank its own, by LOCAL_RANK)")
+    world_size: int = f(1, "trainer processes, the model sharded over them with FSDP2 (gloo on CPU, nccl on CUDA, "
+                           "hccl on NPU): started on this machine, or torchrun's processes under torchrun")
+    rank_timeout_s: float = f(1800.0, "world_size > 1: how long a rank waits on the others in a collective")
     ppo_epochs: int = f(1, "passes over each batch (>1: the PPO clip and ratio act from the second pass)")
     ppo_mini_batch_size: int = f(0, "sequences per optimizer step (0: the whole batch, one step per epoch)")
     entropy_coef: float = f(0.0, "entropy bonus in the loss (0: off; entropy is logged either way)")
@@ -203,6 +210,8 @@ class TrainerConfig:
 
     def problems(self) -> list[str]:
         return failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
+                  (self.world_size >= 1, f"trainer.world_size={self.world_size}: must be >= 1"),
+                  (self.rank_timeout_s > 0, f"trainer.rank_timeout_s={self.rank_timeout_s}: must be > 0"),
                   (self.lr > 0, f"trainer.lr={self.lr}: must be > 0"),
                   (self.lr_schedule in ("constant", "cosine", "linear"),
                    f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear"),
@@ -290,6 +299,10 @@ class JobConfig:
             problem = device_problem(name, device)
             if problem:
                 out.append(problem)
+        if self.trainer.world_size > 1 and self.cluster.kind == "local" and "WORLD_SIZE" not in os.environ:
+            problem = ranks_problem(self.trainer.device, self.trainer.world_size)
+            if problem:
+                out.append(problem)
         for problem in (resume_problem(self.trainer.resume, Path(self.run_dir)),
                         callable_problem("rollout.rollout_fn", self.rollout.rollout_fn, builtin=("single_turn",)),
                         callable_problem("rollout.group_filter", self.rollout.group_filter,
@@ -327,6 +340,25 @@ def device_problem(name: str, device: str) -> str | None:
             choose_device(device)
         except ValueError as e:
             return f"{name}={device!r}: {str(e).split(': ', 1)[-1]}"
+    return None
+
+
+def ranks_problem(device: str, world_size: int) -> str | None:
+    """Whether this machine has an accelerator for each of world_size local trainer ranks."""
+    kind = device.split(":")[0]
+    if kind not in ("auto", "cuda", "npu"):
+        return None
+    if ":" in device:
+        return (f"trainer.device={device!r} names one device; with trainer.world_size={world_size} each rank "
+                f"takes its own: use {kind} or auto")
+    from inference_server.device import choose_device
+    chosen = choose_device(device)
+    if chosen.type == "cpu":
+        return None
+    have = getattr(__import__("torch"), chosen.type).device_count()
+    if have < world_size:
+        return (f"trainer.world_size={world_size}: this machine has {have} {chosen.type} device(s), one per rank "
+                f"needed (or trainer.device=cpu)")
     return None
 
 

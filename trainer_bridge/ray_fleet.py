@@ -156,3 +156,65 @@ class RayFleet:
     def close(self) -> None:
         for url in list(self.replicas):
             self.stop(url)
+
+
+# ---- trainer ranks 1..k-1 (trainer.world_size=k under cluster=ray) ---------------------------------------
+class RankActor:
+    """One trainer rank other than 0: the job's trainer side, following rank 0 (trainer_bridge.ranks)."""
+
+    def run(self, job, rank: int, world: int, master: str, port: int, threads: int) -> None:
+        import os
+
+        import torch
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master, MASTER_PORT=str(port),
+                          LOCAL_RANK="0")      # Ray shows the actor only its own accelerator, as device 0
+        torch.set_num_threads(threads)
+        from trainer_bridge.run import run
+        run(job)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayRanks:
+    """Ranks 1..k-1 as Ray actors, in one placement group (PACK: together where they fit), each
+    bundle `cluster.trainer_cpus` CPUs plus an accelerator when the trainer runs on one."""
+
+    def __init__(self, job, world: int, master: str, port: int):
+        connect(job.cluster)
+        bundle = server_bundle(job.trainer.device, job.cluster.trainer_cpus, 1)
+        self.group = placement_group([bundle] * (world - 1), strategy="PACK")
+        self.actors, self.runs = [], []
+        try:
+            ray.get(self.group.ready(), timeout=job.cluster.placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise RuntimeError(
+                f"cannot place {world - 1} trainer rank(s) of {bundle} each within {job.cluster.placement_timeout_s}s: "
+                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free "
+                f"(cluster.trainer_cpus, trainer.world_size, or add nodes)") from None
+        for i in range(world - 1):
+            actor = ray.remote(RankActor).options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
+                                                                     placement_group_bundle_index=i)).remote()
+            self.actors.append(actor)
+            self.runs.append(actor.run.remote(job, i + 1, world, master, port, max(1, int(bundle.get("CPU", 1)))))
+
+    def failure(self) -> str | None:
+        """Why a rank ended already (before the group formed, any end is a failure), or None."""
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                return f"trainer rank {self.runs.index(ref) + 1} (a Ray actor) failed: {e}"
+            return f"trainer rank {self.runs.index(ref) + 1} (a Ray actor) ended before the ranks met"
+        return None
+
+    def stop(self, grace_s: float) -> None:
+        ray.wait(self.runs, num_returns=len(self.runs), timeout=grace_s)
+        for actor in self.actors:
+            ray.kill(actor)
+        remove_placement_group(self.group)

@@ -19,6 +19,7 @@ from trainer_bridge.backend import BackendConfig, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint
 from trainer_bridge.monitor import Monitor
+from trainer_bridge.ranks import Lead, follow, trainer_ranks
 from trainer_bridge.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
            "sync/egress_bytes": sync.egress_bytes,
+           **{f"sync/egress_bytes/rank{r}": b for r, b in enumerate(sync.egress_by_rank or [])},
            "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
            **({"reward/overlong_penalty": r["overlong_penalty_mean"]} if "overlong_penalty_mean" in r else {}),
            "length/bias": r["length_bias"], "length/generated_mean": r["generated_mean_len"],
@@ -98,20 +100,35 @@ class Stopped(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(signum).name if signum else 'a signal'} after step {step}")
 
 
-def run(job: JobConfig) -> dict:
+def run(job: JobConfig) -> dict | None:
+    """The job; on k trainer ranks (trainer.world_size) this is rank 0's summary, None on the others."""
     job = job.validate()
     if job.mode == "sync":
         job = sync_mode(job)
+    with trainer_ranks(job) as lead:
+        return _run(job, lead)
+
+
+def _run(job: JobConfig, lead: Lead) -> dict | None:
     random.seed(job.seed)
     torch.manual_seed(job.trainer.seed)
     run_dir = Path(job.run_dir)
-    save_config(job, run_dir)
-    model_path = ensure_model(job)
+    if lead.rank == 0:
+        save_config(job, run_dir)
+        ensure_model(job)
+    if lead.world > 1:     # rank 0's run_dir for all (under torchrun each rank's ${now:...} may differ);
+        box = [job.run_dir]   # and the model exists for every rank once this returns
+        torch.distributed.broadcast_object_list(box, src=0)
+        job, run_dir = dataclasses.replace(job, run_dir=box[0]), Path(box[0])
+    model_path = str(Path(job.model.path))
     from transformers import AutoModelForCausalLM
     ckpt_dir = run_dir / "checkpoints"
     resume = _resume_dir(job, run_dir)
     model = AutoModelForCausalLM.from_pretrained(str(resume or model_path), dtype=torch.float32)
-    trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)
+    trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)     # sharded on k ranks
+    if lead.rank != 0:
+        follow(model, trainer, trainer.load(resume)[0] if resume is not None else 0)
+        return None
     backend = RolloutBackend(BackendConfig(model_path=model_path, task=job.task, rollout=job.rollout,
                                            server=job.server, weight_sync=job.weight_sync, cluster=job.cluster,
                                            normalize_std=job.trainer.normalize_std, seed=job.seed,
@@ -124,6 +141,11 @@ def run(job: JobConfig) -> dict:
         first_step, rollout_state = trainer.load(resume)
         backend.load_state_dict(rollout_state)
         log.info("resuming from %s at step %d", resume, first_step)
+
+    def save(step: int) -> Path:
+        lead.save(step, ckpt_dir)
+        return trainer.save(ckpt_dir, step, backend.state_dict(), backend.tokenizer)
+
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(job), job.trainer.steps, first_step)
     watch = Watch(monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
@@ -136,6 +158,7 @@ def run(job: JobConfig) -> dict:
             t0 = time.perf_counter()
             batch = backend.next_batch()
             t1 = time.perf_counter()
+            lead.train(step, batch)
             train = trainer.train_step(batch)
             t2 = time.perf_counter()
             sync = backend.push_weights(model, version=step + 1)
@@ -147,12 +170,13 @@ def run(job: JobConfig) -> dict:
             done = step + 1
             IN_STEP.clear()
             if job.trainer.checkpoint_every and done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
-                trainer.save(ckpt_dir, done, backend.state_dict(), backend.tokenizer)
+                save(done)
         if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
-            path = trainer.save(ckpt_dir, done, backend.state_dict(), backend.tokenizer) if done > first_step \
-                else latest_checkpoint(run_dir)
+            path = save(done) if done > first_step else latest_checkpoint(run_dir)
+            lead.stop()
             raise Stopped(SIGNAL["number"], done, path)
-        trainer.save(ckpt_dir, job.trainer.steps, backend.state_dict(), backend.tokenizer)
+        save(job.trainer.steps)
+        lead.stop()
         note = partial_rollout_note(job, monitor.history[-1] if monitor.history else {})
         if note:
             monitor.note(note)

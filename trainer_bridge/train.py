@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
 import signal
 import sys
 from dataclasses import fields, is_dataclass
@@ -135,8 +136,9 @@ def main(cfg: DictConfig) -> None:
         native_logs_to(Path(job.run_dir) / "logs" / "native.log")
     import transformers
     transformers.utils.logging.disable_progress_bar()       # "Writing model shards" on every checkpoint
+    follower = int(os.environ.get("RANK", "0")) > 0      # a trainer rank under torchrun: rank 0 decides
     for sig in (signal.SIGINT, signal.SIGTERM):          # SIGINT too: a launcher may have left it ignored
-        signal.signal(sig, stop_on_signal)
+        signal.signal(sig, signal.SIG_IGN if follower else stop_on_signal)
     try:
         result = run(job)
     except Stopped as e:
@@ -148,6 +150,8 @@ def main(cfg: DictConfig) -> None:
         print("riptide-train: stopped by a signal before a step finished; everything it started is stopped",
               file=sys.stderr)
         sys.exit(128 + (SIGNAL["number"] or signal.SIGINT))
+    if result is None:          # a trainer rank other than 0 (under torchrun): rank 0 reports
+        return
     print(f"wandb run: {result['wandb_dir'] or '(disabled)'}   plot: {result['plot']}")
     print(json.dumps(result))
 

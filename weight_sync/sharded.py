@@ -8,13 +8,15 @@ the servers: open, prepare, two-phase commit, exactly as `WeightSync.push`), the
 A parameter sharded on dim 0 (FSDP2's layout) is a contiguous run of rows of the full tensor, so a
 rank's shard of a bucket is a few contiguous byte ranges of it: the rank packs them into one local
 bucket-sized buffer, hashing each range, and writes them with its own transfer engine (its own NIC)
-to their offsets in every server's slot. Parameters that are not sharded on dim 0 (plain tensors,
+to their offsets in the slots of the servers the trainer feeds (every server in a star; the root
+of a chain, the roots of a tree, which verify the bucket and relay it on). Parameters that are not sharded on dim 0 (plain tensors,
 other placements) are written by rank 0, those with another placement gathered for their bucket
 only. Rank 0 collects every rank's ranges and hashes (a small gather per bucket) and sends the
 receivers a parts digest (bucket.py): each range checked on its own, the ranges covering the bucket.
 Bucket k + num_slots is written only once every server has verified bucket k. A rank's extra memory
 is one bucket (its staging buffer), plus a dtype conversion of its own shard where the servers'
-dtype differs. Star topology only: relays (chain, tree) use `gather`.
+dtype differs. A server whose relay is lost mid-bucket leaves that push (the ranks have moved on
+to the next bucket and cannot write it again); the push commits on the rest under `min_fraction`.
 
 `gather`: the sharded parameters are gathered bucket by bucket, in the plan's order, by all ranks
 together (`DTensor.full_tensor()` is a collective), and rank 0 streams them as a plain push; a
@@ -36,7 +38,7 @@ import torch
 from weight_sync import named_weights
 from weight_sync.bucket import Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, plan_buckets
 from weight_sync.clients import ReceiverCallError
-from weight_sync.fanout import Fanout, Hop, tree_parents
+from weight_sync.fanout import TRAINER, Fanout, Hop, tree_parents
 from weight_sync.protocol import InFlight, UpdateRef
 from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, check_weights
 from weight_sync.transports import Transport, TransportError, WriteOp
@@ -141,9 +143,6 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
     tensors = named_weights(model)
     if rank != 0:
         return _follow(tensors, mode, group)
-    if mode == "direct" and sync.topology != "star":
-        log.warning("push_sharded: direct writes go to a star of servers; topology %s gathers instead", sync.topology)
-        mode = "gather"
     _send((_PLAN, mode), group)
     t0 = time.perf_counter()
     try:
@@ -315,11 +314,6 @@ def _gather(obj, group) -> list | None:
     return out
 
 
-def _no_write(peer, local_slot: int, k: int, nbytes: int) -> None:
-    """The ranks have written bucket k already; a digest that fails is not written again (the
-    bytes came from every rank): the update fails and is aborted."""
-
-
 class _DirectPush:
     """Rank 0's side of a direct push: WeightSync's open, prepare and commit around buckets every
     rank writes."""
@@ -342,12 +336,23 @@ class _DirectPush:
 
     def _stream(self, peers: list[_Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
         sync, n = self.sync, self.sync.num_slots
-        hop = Hop(_no_write, sync._drop, sync.timeout_s, 0)
+        written: dict[int, set[int]] = {}      # bucket -> the servers the ranks wrote it into
+
+        def hop_write(peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
+            """The fan-out's trainer -> server write: the ranks did it already, into the servers
+            the trainer feeds. A server the trainer takes over (its relay was lost) cannot get
+            the bucket from the ranks again (they are on the next one): it leaves this push."""
+            if id(peer) not in written.get(k, ()):
+                raise ReceiverCallError(peer.name, f"its relay was lost with bucket {k}, which the trainer's ranks "
+                                                   f"wrote only into the servers they feed (direct sharded push)")
+
+        hop = Hop(hop_write, sync._drop, sync.timeout_s, 0)
         t = time.perf_counter()
         with ThreadPoolExecutor(Fanout.pool_size(len(peers), n), thread_name_prefix="weight-sync-sharded") as pool:
             # A ring of num_slots "local" slots: bucket k starts once bucket k - num_slots has been
             # verified everywhere, which is when every server's slot k % num_slots is free again.
-            fan = Fanout(peers, tree_parents(len(peers), "star"), n, n, ref, hop, pool)
+            # The ranks write into the tree's roots (every server in a star); relays do the rest.
+            fan = Fanout(peers, tree_parents(len(peers), sync.topology, sync.fan_out), n, n, ref, hop, pool)
             moving = []
             try:
                 for k, bucket in enumerate(writer.plan):
@@ -355,7 +360,8 @@ class _DirectPush:
                     for f in moving:
                         if f.done():
                             f.result()
-                    live = [p for p in peers if p.error is None]
+                    live = [peers[i] for i in fan.children(TRAINER)]
+                    written[k] = {id(p) for p in live}
                     targets = [(p.reply.session, p.reply.slot_addrs[k % n]) for p in live]
                     _send((_GO, ("write", k, targets)), self.group)
                     results = _gather(writer.write(k, targets), self.group)
