@@ -14,7 +14,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -280,9 +280,13 @@ class Engine:
             except queue.Empty:
                 return
             try:
-                fut.set_result(fn())
+                outcome = fut.set_result, fn()
             except BaseException as e:  # the caller gets the error; the engine goes on
-                fut.set_exception(e)
+                outcome = fut.set_exception, e
+            try:
+                outcome[0](outcome[1])
+            except InvalidStateError:   # the caller gave up (asyncio cancels a wrapped future): the command
+                pass                    # ran all the same, and nobody waits for its outcome
 
     def add(self, seqs: list[Sequence]) -> Future:
         def run():

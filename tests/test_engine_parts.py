@@ -209,3 +209,40 @@ def test_a_groups_samples_share_the_prompts_prefill_and_sample_the_same(tiny_mod
     for (ids, lps), (ids0, lps0) in zip(shared, alone):
         assert ids == ids0
         assert max(abs(a - b) for a, b in zip(lps, lps0)) < 1e-3
+
+
+def test_a_command_its_caller_gave_up_on_does_not_stop_the_engine(tiny_model):
+    """An HTTP handler awaiting an engine command through asyncio (wrap_future) cancels the
+    command's future when its client goes away. Setting a cancelled future's result raises: the
+    engine thread once died of it and the server never stepped again (a job hung on /commit).
+    The command still runs; the engine goes on serving."""
+    import threading
+
+    from inference_server.engine import Engine, EngineArgs
+    from inference_server.sequence import SamplingParams, Sequence
+
+    engine = Engine(EngineArgs(tiny_model, context_length=256, cpu_split=False))
+    engine.start()
+    try:
+        ran, release, finished, queued = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+        def slow():
+            ran.set()
+            release.wait(10)
+            finished.set()
+
+        running = engine.submit(slow)            # the engine thread is inside this command
+        assert ran.wait(10)
+        waiting = engine.submit(queued.set)
+        failing = engine.submit(lambda: 1 / 0)
+        assert running.cancel() and waiting.cancel() and failing.cancel()    # their callers gave up
+        release.set()
+        assert finished.wait(10) and queued.wait(10)                         # the commands ran all the same
+        done = threading.Event()
+        seq = Sequence("after", list(range(20, 30)), SamplingParams(max_new_tokens=4, ignore_eos=True),
+                       on_update=lambda s: s.finished and done.set())
+        engine.add([seq])
+        assert done.wait(30) and len(seq.output_ids) == 4
+        assert engine._thread.is_alive()
+    finally:
+        engine.shutdown()

@@ -185,9 +185,6 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     assert servers_of(tmp_path) == []
 
 
-@pytest.mark.skip(reason="hung in a fresh-clone run: a direct sharded push's /commit timed out (60 s), "
-                         "CommitIncomplete left the server on the old version and next_batch waited forever; "
-                         "under investigation (see the session note)")
 def test_two_trainer_ranks_learn_about_as_well_per_step_as_one(short_run):
     """trainer.world_size=2: the same job, the model sharded over 2 trainer processes (FSDP2, gloo),
     each rank writing its shard into the server. tests/test_sharded.py shows one step makes the
