@@ -19,6 +19,7 @@ step in progress and a checkpoint that needs every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -34,11 +35,11 @@ import torch.distributed as dist
 
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import ConfigError, JobConfig
+from weight_sync.sharded import _receive, _send
 
 log = logging.getLogger(__name__)
 _TRAIN, _SAVE, _STOP = "train", "save", "stop"
-FIELDS = ("input_ids", "attention_mask", "loss_mask", "behaviour_logprobs", "versions", "rewards", "group_index",
-          "advantages")
+FIELDS = tuple(f.name for f in dataclasses.fields(TrainBatch) if f.name not in ("samples", "metrics"))   # the tensors
 
 
 class Lead:
@@ -62,13 +63,7 @@ class Lead:
 
     def _send(self, message) -> None:
         if self.world > 1:
-            dist.broadcast_object_list([message], src=0)
-
-
-def _receive():
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+            _send(message)
 
 
 def follow(model, trainer, first_step: int) -> None:

@@ -113,11 +113,11 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _send(message, group) -> None:
+def _send(message, group=None) -> None:
     torch.distributed.broadcast_object_list([message], src=_src(group), group=group)
 
 
-def _receive(group):
+def _receive(group=None):
     box = [None]
     torch.distributed.broadcast_object_list(box, src=_src(group), group=group)
     return box[0]
