@@ -94,6 +94,24 @@ class RayRollout:
         ray.kill(self.actor)
 
 
+def wait_placed(groups: list, what: str, fields: str, timeout_s: float) -> None:
+    """Wait for placement groups; past `timeout_s`, say what was asked and what the cluster has."""
+    try:
+        ray.get([g.ready() for g in groups], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(
+            f"cannot place {what} within {timeout_s}s: the cluster has {ray.cluster_resources()} in all, "
+            f"{ray.available_resources()} free ({fields}, or add nodes)") from None
+
+
+def in_bundle(cls, bundle: dict, group, index: int):
+    """`cls` as an actor class holding bundle `index` of placement group `group`."""
+    return ray.remote(cls).options(
+        num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+        resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index))
+
+
 class RayFleet:
     def __init__(self, model_path: str, server: ServerConfig, weight_sync: WeightSyncConfig, cluster: ClusterConfig,
                  seed: int = 0):
@@ -108,13 +126,10 @@ class RayFleet:
         groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
         actors = []
         try:
-            self._wait_placed(groups, bundle)
+            wait_placed(groups, f"{n} server(s) of {bundle} each", "cluster.server_cpus, server.num_servers",
+                        self.cluster.placement_timeout_s)
             args = server_args(self.server, self.weight_sync, self.seed, version, peer, 1)
-            actors = [ray.remote(ServerActor).options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=g, placement_group_bundle_index=0),
-            ).remote() for g in groups]
+            actors = [in_bundle(ServerActor, bundle, g, 0).remote() for g in groups]
             infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s) for a in actors],
                             timeout=self.server.start_timeout_s + 30)
         except BaseException:
@@ -126,15 +141,6 @@ class RayFleet:
         for a, g, info in zip(actors, groups, infos):
             self.replicas[info["url"]] = (a, g, info)
         return [info["url"] for info in infos]
-
-    def _wait_placed(self, groups: list, bundle: dict) -> None:
-        try:
-            ray.get([g.ready() for g in groups], timeout=self.cluster.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"cannot place {len(groups)} server(s) of {bundle} each within {self.cluster.placement_timeout_s}s: "
-                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free "
-                f"(cluster.server_cpus, server.num_servers, or add nodes)") from None
 
     def stop(self, url: str) -> None:
         actor, group, _ = self.replicas.pop(url, (None, None, None))
@@ -172,35 +178,24 @@ class RankActor:
         from trainer_bridge.run import run
         run(job)
 
-    def node(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
 
 class RayRanks:
     """Ranks 1..k-1 as Ray actors, in one placement group (PACK: together where they fit), each
     bundle `cluster.trainer_cpus` CPUs plus an accelerator when the trainer runs on one."""
 
     def __init__(self, job, world: int, master: str, port: int):
-        connect(job.cluster)
+        """On a connected cluster (trainer_ranks joined it for rank 0's address)."""
         bundle = server_bundle(job.trainer.device, job.cluster.trainer_cpus, 1)
         self.group = placement_group([bundle] * (world - 1), strategy="PACK")
-        self.actors, self.runs = [], []
         try:
-            ray.get(self.group.ready(), timeout=job.cluster.placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+            wait_placed([self.group], f"{world - 1} trainer rank(s) of {bundle} each",
+                        "cluster.trainer_cpus, trainer.world_size", job.cluster.placement_timeout_s)
+        except RuntimeError:
             remove_placement_group(self.group)
-            raise RuntimeError(
-                f"cannot place {world - 1} trainer rank(s) of {bundle} each within {job.cluster.placement_timeout_s}s: "
-                f"the cluster has {ray.cluster_resources()} in all, {ray.available_resources()} free "
-                f"(cluster.trainer_cpus, trainer.world_size, or add nodes)") from None
-        for i in range(world - 1):
-            actor = ray.remote(RankActor).options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.group,
-                                                                     placement_group_bundle_index=i)).remote()
-            self.actors.append(actor)
-            self.runs.append(actor.run.remote(job, i + 1, world, master, port, max(1, int(bundle.get("CPU", 1)))))
+            raise
+        self.actors = [in_bundle(RankActor, bundle, self.group, i).remote() for i in range(world - 1)]
+        self.runs = [a.run.remote(job, i + 1, world, master, port, max(1, int(bundle.get("CPU", 1))))
+                     for i, a in enumerate(self.actors)]
 
     def failure(self) -> str | None:
         """Why a rank ended already (before the group formed, any end is a failure), or None."""
