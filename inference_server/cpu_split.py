@@ -1,6 +1,6 @@
 """A CPU step cut in two: on a machine where a step runs on one thread, a large step runs as two
-parts of the decode rows, one on a helper thread, each an ordinary single-threaded pass that also
-samples its rows. On a CPU whose second core is shared with the HTTP thread and a rollout client,
+parts (decode rows and newcomers' prefills), one on a helper thread, each an ordinary single-threaded
+pass that also samples its rows. On a CPU whose second core is shared with the HTTP thread and a rollout client,
 the helper's part picks up whatever that core has free, with none of an OpenMP team's barrier
 stalls when it has none. The step's uniforms are drawn once, in row order, so the tokens do not
 depend on the cut; the cut follows the two parts' measured times.
@@ -22,52 +22,77 @@ ROW_WORK, PREFILL_WORK = 64, 200
 
 
 class SplitStepRunner:
-    """A DecoderRunner whose steps of at least `min_rows` decode rows run as two parts."""
+    """A DecoderRunner whose big steps run as two parts: decode rows cut at one slot, and the
+    newcomers' prefills dealt between the parts, so that a step heavy with prefill keeps both cores
+    busy too (one thread taking every prefill left the other idle for most of such a step)."""
 
-    def __init__(self, runner: DecoderRunner, threads: int = 1, min_rows: int = 16):
-        self.runner, self.min_rows = runner, min_rows
+    def __init__(self, runner: DecoderRunner, threads: int = 1, min_rows: int = 16, min_work: int = 16 * 512):
+        self.runner, self.min_rows, self.min_work = runner, min_rows, min_work
         self.share = 0.5                        # of a split step's work that the helper takes
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="riptide-step-half", initializer=torch.set_num_threads, initargs=(threads,))
 
     def step(self, decode: list[Sequence], prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
         b = len(decode)
-        if b < self.min_rows:
-            return self.runner.step(decode, prefill, sampler)
         pos = [s.num_tokens - 1 for s in decode]
-        chunks = self.runner.plan(decode, pos)
-        mid = self._cut(chunks, prefill)
+        chunks = self.runner.plan(decode, pos) if b else []
+        row_work = [w for start, end, longest in chunks for w in [longest + ROW_WORK] * (end - start)]
+        groups: dict[tuple, list[int]] = {}     # newcomers with the same tokens stay together (computed once)
+        for i, s in enumerate(prefill):
+            groups.setdefault(tuple(s.all_ids), []).append(i)
+        group_work = [(PREFILL_WORK * prefill[idx[0]].num_tokens, idx) for idx in groups.values()]
+        total = sum(row_work) + sum(w for w, _ in group_work)
+        if total < self.min_work or (b < self.min_rows and len(group_work) < 2):
+            return self.runner.step(decode, prefill, sampler)
+        mid, mine = self._cut(row_work, group_work, total)
+        theirs = sorted(i for _, idx in group_work for i in idx if i not in mine)
+        mine = sorted(mine)
 
         def part(lo: int, hi: int) -> list[tuple[int, int, int]]:
             # a chunk that spans the cut becomes two, each padded only to its own longest row
             return [(max(a, lo), min(e, hi), max(pos[max(a, lo):min(e, hi)]) + 1)
                     for a, e, _ in chunks if a < hi and e > lo]
-        u = sampler.draw(decode + prefill)
-        u1, u2 = (None, None) if u is None else (u[:mid], u[mid:])
-        first = self._helper.submit(self._sampled_part, sampler, u1, decode[:mid], pos[:mid], 0, part(0, mid), [])
-        (tokens, logprobs), t_own = self._sampled_part(sampler, u2, decode[mid:], pos[mid:], mid, part(mid, b),
-                                                       prefill)
+        u = sampler.draw(decode + prefill)      # in row order, so the tokens do not depend on the cut
+
+        def uniforms(lo: int, hi: int, news: list[int]):
+            return None if u is None else torch.cat([u[lo:hi], u[[b + i for i in news]]])
+        first = self._helper.submit(self._sampled_part, sampler, uniforms(0, mid, theirs), decode[:mid], pos[:mid], 0,
+                                    part(0, mid), [prefill[i] for i in theirs])
+        (tokens, logprobs), t_own = self._sampled_part(sampler, uniforms(mid, b, mine), decode[mid:], pos[mid:], mid,
+                                                       part(mid, b), [prefill[i] for i in mine])
         (tokens1, logprobs1), t_helper = first.result()
         # move the cut toward equal times: the thread that took longer gets less next step
         self.share = min(0.95, max(0.05, self.share + 0.02 * (t_own - t_helper) / (t_own + t_helper)))
-        return tokens1 + tokens, logprobs1 + logprobs
+        out_tokens = tokens1[:mid] + tokens[:b - mid] + [0] * len(prefill)
+        out_logprobs = logprobs1[:mid] + logprobs[:b - mid] + [0.0] * len(prefill)
+        for news, toks, lps, off in ((theirs, tokens1, logprobs1, mid), (mine, tokens, logprobs, b - mid)):
+            for j, i in enumerate(news):
+                out_tokens[b + i], out_logprobs[b + i] = toks[off + j], lps[off + j]
+        return out_tokens, out_logprobs
 
-    def _cut(self, chunks, prefill: list[Sequence]) -> int:
-        """The first row of the engine thread's part: where the work (padded key positions and a
-        per-row share) splits as `share` says; the engine thread's side also takes the prefill."""
-        work = []
-        for start, end, longest in chunks:
-            work += [longest + ROW_WORK] * (end - start)
-        target = self.share * (sum(work) + PREFILL_WORK * sum(s.num_tokens for s in prefill))
-        acc, mid = 0, 0
-        for w in work[:-1] if not prefill else work:
-            if acc + w / 2 > target:
+    def _cut(self, row_work: list[int], group_work: list[tuple[int, list[int]]], total: int) -> tuple[int, set[int]]:
+        """(mid, mine): the helper takes decode rows [0, mid) and the newcomers not in `mine`; the
+        engine thread the rows from mid and the newcomers in `mine`, so that the helper's share of
+        the work is about `share`. Newcomers are dealt biggest first to the part furthest below
+        its target; the decode cut then fills the helper up to its target."""
+        target = {True: (1 - self.share) * total, False: self.share * total}    # True: the engine thread
+        load, mine = {True: 0, False: 0}, set()
+        for w, idx in sorted(group_work, key=lambda g: -g[0]):
+            own = (target[True] - load[True]) >= (target[False] - load[False])
+            load[own] += w
+            if own:
+                mine.update(idx)
+        acc, mid, room = 0, 0, target[False] - load[False]
+        for w in row_work:
+            if acc + w / 2 > room:
                 break
             acc += w
             mid += 1
-        return max(mid, 1)
+        return mid, mine
 
     def _sampled_part(self, sampler, u, decode, pos, slot0, chunks, prefill) -> tuple[tuple[list, list], float]:
+        if not decode and not prefill:
+            return ([], []), 0.0
         t = time.perf_counter()
         with torch.inference_mode():
             out = sampler.sample(self.runner.part(decode, pos, slot0, chunks, prefill), decode + prefill, u)

@@ -9,6 +9,7 @@ and their later tokens carry the new version.
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import queue
@@ -122,6 +123,8 @@ class Engine:
         if isinstance(self._kv_runner, DecoderRunner):
             self._kv_runner.share_prompts = args.prefix_share
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
+        if split:
+            self.scheduler.pair_newcomers = int(os.environ.get("RIPTIDE_PAIR", "4"))
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
         self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
@@ -136,6 +139,9 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     def start(self) -> None:
+        # what exists now (the model, transformers' modules) lives as long as the server: keep it out
+        # of the collector's full passes, which otherwise walk it all every few hundred steps
+        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="riptide-engine", daemon=True)
         self._thread.start()
 

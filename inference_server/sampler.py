@@ -31,26 +31,33 @@ class Sampler:
                u: torch.Tensor | None) -> tuple[list[int], list[float]]:
         """Tokens and logprobs for `seqs` (rows of `logits`), with their uniforms `u` from `draw`."""
         params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
-        greedy = temps == 0
-        logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        temps = [p.temperature for p in params]
+        if all(t in (0.0, 1.0) for t in temps):      # the common case: no division
+            scaled = logits
+        else:
+            scaled = logits / torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)[:, None]
+        # log_softmax by hand: the shifted logits and their exp serve the logprob and the draw both
+        z = scaled - scaled.amax(dim=-1, keepdim=True)
+        e = z.exp()
+        log_total = e.sum(dim=-1).log()
+        greedy = [t == 0.0 for t in temps]
         if u is None:
             tokens = logits.argmax(dim=-1)
         else:
-            probs = logprobs.exp()
             if any(p.truncates for p in params):
-                probs = self._truncate(probs, params)
-            cdf = probs.cumsum(dim=-1)
+                e = self._truncate(e, params)
+            cdf = e.cumsum(dim=-1)
             u = u.to(logits.device)
             tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
             tokens = tokens.clamp_(max=logits.shape[-1] - 1)
-            if bool(greedy.any()):
-                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-        chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
+        chosen = z.gather(1, tokens[:, None])[:, 0] - log_total
         want = [i for i, p in enumerate(params) if p.top_logprobs > 0]
         if want:          # OpenAI's top_logprobs: the most likely tokens of the same distribution
-            k = min(max(params[i].top_logprobs for i in want), logprobs.shape[-1])
-            values, ids = logprobs[want].topk(k, dim=-1)
+            k = min(max(params[i].top_logprobs for i in want), logits.shape[-1])
+            values, ids = z[want].topk(k, dim=-1)
+            values = values - log_total[want][:, None]
             for row, i in enumerate(want):
                 n = params[i].top_logprobs
                 seqs[i].next_top = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
@@ -64,8 +71,9 @@ class Sampler:
         return u
 
     @staticmethod
-    def _truncate(probs: torch.Tensor, params) -> torch.Tensor:
-        # probs: [batch, vocab]; zero what top-k, top-p and min-p cut, per row
+    def _truncate(weights: torch.Tensor, params) -> torch.Tensor:
+        # weights: [batch, vocab], unnormalised probabilities; zero what top-k, top-p and min-p cut, per row
+        probs = weights / weights.sum(dim=-1, keepdim=True)
         vocab = probs.shape[-1]
         top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=probs.device)
         top_p = torch.tensor([p.top_p for p in params], device=probs.device)

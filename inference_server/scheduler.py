@@ -19,6 +19,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.paused = False
+        # CPU split steps (cpu_split): a lone newcomer whose prefill joins a big batch is held for up
+        # to this many steps until a second slot frees, so that each of the two threads has a prefill
+        # to run beside its decode rows; alone, its prefill makes the other thread wait (0: never hold)
+        self.pair_newcomers = 0
+        self.pair_min_running = 16
+        self._held = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -34,6 +40,11 @@ class Scheduler:
             return [], []
         decode = list(self.running)
         prefill, budget = [], self.max_prefill_tokens
+        if (self.pair_newcomers and self.waiting and len(self.running) + 1 == self.max_running
+                and len(self.running) >= self.pair_min_running and self._held < self.pair_newcomers):
+            self._held += 1                     # one free slot: wait a step or two for a second
+            return decode, prefill
+        self._held = 0
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if prefill and seq.num_tokens > budget:

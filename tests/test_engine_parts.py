@@ -105,7 +105,8 @@ def test_sampler_samples_the_distribution():
 
 def test_a_split_step_samples_what_one_pass_does(tiny_model):
     """A step cut between two threads (CPU, >= 16 rows) gives each row the token and logprob that
-    one pass over all rows gives: same uniforms, whatever the cut (with a newcomer's prefill)."""
+    one pass over all rows gives: same uniforms, whatever the cut (with newcomers' prefills dealt
+    between the parts, two of them with one prompt)."""
     from transformers import AutoModelForCausalLM
 
     from inference_server.cpu_split import SplitStepRunner
@@ -113,7 +114,8 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     lengths = sorted(torch.randint(4, 200, (24,), generator=g).tolist(), reverse=True)
-    ids = [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lengths + [37]]
+    ids = [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lengths + [37, 90, 12]]
+    ids.append(ids[-2])                               # a newcomer with another's prompt (a GRPO group)
 
     def run(split: bool, share: float = 0.5):
         runner = DecoderRunner(model, num_slots=32, context_length=256)
@@ -125,7 +127,7 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
             s = Sequence(str(slot), x, SamplingParams(temperature=0.8 if slot % 3 else 0.0))
             s.slot = slot
             seqs.append(s)
-        decode, newcomer = seqs[:-1], seqs[-1:]
+        decode, newcomer = seqs[:-4], seqs[-4:]
         with torch.inference_mode():
             for s in decode:                          # each row's prompt minus its last token
                 s.prompt_ids, last = s.prompt_ids[:-1], s.prompt_ids[-1]
