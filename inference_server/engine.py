@@ -124,7 +124,7 @@ class Engine:
             self._kv_runner.share_prompts = args.prefix_share
         self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
         if split:
-            self.scheduler.pair_newcomers = int(os.environ.get("RIPTIDE_PAIR", "4"))
+            self.scheduler.pair_newcomers = 4
         self.sampler = Sampler(args.seed, self.device)
         self.version = args.weight_version if args.load_weights else -1
         self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
