@@ -151,18 +151,20 @@ def bench_riptide(model_dir, prompts, max_new, concurrency: int, profile: str | 
 
 def summarize_profile(path: str) -> dict:
     """Share of py-spy samples (non-idle, all threads) per bucket of where the server spends its time."""
-    dec, pre = "decode (inference_server/model_runner.py", "prefill (inference_server/model_runner.py"
+    run = "DecoderRunner.part (inference_server/model_runner.py"
     rules = [  # (bucket, substrings that must all be in the stack); the first match wins
-        ("decode.lm_head+final_norm", (dec, "_logits (")),
-        ("decode.attention+kv_write", (dec, "attend (")),
-        ("decode.qkv_proj+rope", (dec, "_qkv (")),
-        ("decode.mlp", (dec, "MLP.forward")),
-        ("decode.rmsnorm", (dec, "RMSNorm.forward")),
-        ("decode.rope_tables", (dec, "_rope (")),
-        ("decode.other (o_proj, embed, inputs)", (dec,)),
-        ("prefill", (pre,)),
+        ("model.attention+kv_write", (run, "attend (")),
+        ("model.lm_head+final_norm", (run, "_logits (")),
+        ("model.qkv_proj+rope", (run, "_qkv (")),
+        ("model.mlp", (run, "MLP.forward")),
+        ("model.rmsnorm", (run, "RMSNorm.forward")),
+        ("model.rope_tables", (run, "_rope (")),
+        ("model.other (o_proj, embed, inputs)", (run,)),
         ("sampling", ("inference_server/sampler.py",)),
+        ("split step: waiting for the other half", ("cpu_split.py", "Future.result")),
+        ("split step: other", ("inference_server/cpu_split.py",)),
         ("postprocess (append, finish, notify)", ("_postprocess (inference_server/engine.py",)),
+        ("slot sorting", ("_sort_slots (inference_server/engine.py",)),
         ("schedule", ("inference_server/scheduler.py",)),
         ("engine commands (add/finish requests)", ("_run_commands (inference_server/engine.py",)),
         ("engine other", ("inference_server/engine.py",)),

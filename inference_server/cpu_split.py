@@ -56,9 +56,10 @@ class SplitStepRunner:
 
         def uniforms(lo: int, hi: int, news: list[int]):
             return None if u is None else torch.cat([u[lo:hi], u[[b + i for i in news]]])
-        first = self._helper.submit(self._sampled_part, sampler, uniforms(0, mid, theirs), decode[:mid], pos[:mid], 0,
+        u1, u2 = uniforms(0, mid, theirs), uniforms(mid, b, mine)      # both before the helper holds the GIL
+        first = self._helper.submit(self._sampled_part, sampler, u1, decode[:mid], pos[:mid], 0,
                                     part(0, mid), [prefill[i] for i in theirs])
-        (tokens, logprobs), t_own = self._sampled_part(sampler, uniforms(mid, b, mine), decode[mid:], pos[mid:], mid,
+        (tokens, logprobs), t_own = self._sampled_part(sampler, u2, decode[mid:], pos[mid:], mid,
                                                        part(mid, b), [prefill[i] for i in mine])
         (tokens1, logprobs1), t_helper = first.result()
         # move the cut toward equal times: the thread that took longer gets less next step
