@@ -9,7 +9,6 @@ and their later tokens carry the new version.
 from __future__ import annotations
 
 import enum
-import gc
 import logging
 import os
 import queue
@@ -139,9 +138,6 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     def start(self) -> None:
-        # what exists now (the model, transformers' modules) lives as long as the server: keep it out
-        # of the collector's full passes, which otherwise walk it all every few hundred steps
-        gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="riptide-engine", daemon=True)
         self._thread.start()
 
