@@ -18,7 +18,7 @@ def tiny_model_dir(hidden: int = 384, layers: int = 4, vocab: int = 8000, root: 
     base = Path(root or tempfile.gettempdir()) / name
     if not (base / "config.json").exists() or not any(base.glob("*.safetensors")):
         from inference_server.tiny_model import build_tiny_model
-        build_tiny_model(base, hidden=hidden, layers=layers, vocab=vocab, arch=arch)
+        build_tiny_model(base, hidden=hidden, layers=layers, heads=hidden // 64, vocab=vocab, arch=arch)
     return base
 
 

@@ -123,10 +123,11 @@ async def _metrics(client) -> dict[str, float]:
 
 
 def bench_riptide(model_dir, prompts, max_new, concurrency: int, profile: str | None, subset: int = 0,
-                  threads: int = 2) -> dict:
+                  threads: int = 2, device: str = "cpu", dtype: str = "float32") -> dict:
     # the same torch thread count as the baselines (the server's own default is cores - 1, which
     # leaves a core to a co-located rollout client; this client is light)
-    extra = ("--max-running-requests", str(concurrency), "--context-length", "1024", "--cpu-threads", str(threads))
+    extra = ("--max-running-requests", str(concurrency), "--context-length", "1024", "--device", device,
+             "--dtype", dtype) + (("--cpu-threads", str(threads)) if device == "cpu" else ())
     with riptide_server(model_dir, *extra) as (url, proc):
         log(f"(a) server up at {url} (pid {proc.pid}); {len(prompts)} requests, {concurrency} in flight")
         spy = None
@@ -201,7 +202,8 @@ def bench_hf_generate(model, prompts, max_new, batch: int, pad_id: int) -> dict:
             mask[i, width - len(p):] = 1
         cfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=1.0, max_new_tokens=m,
                                min_new_tokens=m, pad_token_id=pad_id, eos_token_id=model.config.eos_token_id)
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                             generation_config=cfg)
         return out.shape[1] - width
 
     torch.manual_seed(0)
@@ -282,11 +284,11 @@ def bench_floor(model, batch: int, length: int, steps: int, warmup: int = 5) -> 
     hd = layers[0].self_attn.head_dim
     scale = layers[0].self_attn.scaling
     p = next(model.parameters())
-    kc = [torch.randn(batch, nkv, length + 1, hd, dtype=p.dtype) for _ in layers]
-    vc = [torch.randn(batch, nkv, length + 1, hd, dtype=p.dtype) for _ in layers]
+    kc = [torch.randn(batch, nkv, length + 1, hd, dtype=p.dtype, device=p.device) for _ in layers]
+    vc = [torch.randn(batch, nkv, length + 1, hd, dtype=p.dtype, device=p.device) for _ in layers]
     gen = torch.Generator().manual_seed(0)
-    pos = torch.full((batch,), length)
-    tokens = torch.randint(10, cfg.vocab_size, (batch,), generator=gen)
+    pos = torch.full((batch,), length, device=p.device)
+    tokens = torch.randint(10, cfg.vocab_size, (batch,), generator=gen).to(p.device)
 
     def step(tokens):
         x = dec.embed_tokens(tokens)                                     # [B, H]
@@ -308,11 +310,11 @@ def bench_floor(model, batch: int, length: int, steps: int, warmup: int = 5) -> 
         logits = model.lm_head(dec.norm(x)).float()
         logprobs = torch.log_softmax(logits, dim=-1)
         cdf = logprobs.exp().cumsum(dim=-1)
-        u = torch.rand(batch, generator=gen)
+        u = torch.rand(batch, generator=gen).to(p.device)
         nxt = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp_(max=cfg.vocab_size - 1)
         chosen = logprobs.gather(1, nxt[:, None])[:, 0]
         chosen.tolist()                                                  # results leave the tensor world
-        return torch.tensor(nxt.tolist())
+        return torch.tensor(nxt.tolist(), device=p.device)
 
     for _ in range(warmup):
         tokens = step(tokens)
@@ -331,7 +333,8 @@ def bench_prefill_floor(model, prompt_len: int, batch: int = 8, reps: int = 5) -
     """Prompt tokens/s of one plain batched forward (equal lengths, no padding, logits of the last token only).
 
     Best of `reps`: a floor, and robust to other work on a shared machine."""
-    ids = torch.randint(10, model.config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(10, model.config.vocab_size, (batch, prompt_len),
+                        generator=torch.Generator().manual_seed(1)).to(model.device)
 
     def run():
         h = model.model(input_ids=ids, use_cache=False).last_hidden_state
@@ -356,6 +359,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-path", default=None, help="default: build the tiny model into a temp dir")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, npu: the server and the baselines run there")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (the model's dtype everywhere)")
+    ap.add_argument("--hidden", type=int, default=HIDDEN, help="model size (heads of 64); 1024 x 16 layers x "
+                                                               "32000 vocab is ~0.5 GB in bf16")
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--vocab", type=int, default=VOCAB)
     ap.add_argument("--quick", action="store_true", help="~1 minute smoke run (64 requests, short lengths)")
     ap.add_argument("--skip", default="", help="comma list of methods to skip: riptide,hf_generate,hf_cb,floor")
     ap.add_argument("--profile-server", default=None, metavar="PATH",
@@ -366,23 +375,24 @@ def main() -> None:
 
     n = 64 if args.quick and args.num_requests == 256 else args.num_requests
     plen, nlen = ((16, 128), (16, 64)) if args.quick else ((16, 512), (32, 256))
-    prompts, max_new = make_workload(n, VOCAB, args.seed, plen, nlen)
-    model_dir = Path(args.model_path) if args.model_path else tiny_model_dir(HIDDEN, LAYERS, VOCAB)
+    prompts, max_new = make_workload(n, args.vocab, args.seed, plen, nlen)
+    model_dir = Path(args.model_path) if args.model_path else tiny_model_dir(args.hidden, args.layers, args.vocab)
     result: dict = {"num_requests": n, "prompt_tokens": sum(len(p) for p in prompts),
                     "concurrency": args.concurrency, "seed": args.seed, "prompt_len": list(plen),
                     "max_new_tokens": list(nlen), "useful_tokens": sum(max_new), "threads": args.threads,
-                    "quick": args.quick}
+                    "quick": args.quick, "device": args.device, "dtype": args.dtype,
+                    "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}}
     t_start = time.perf_counter()
 
     if "riptide" not in skip:
         cb_subset = 0 if "hf_cb" in skip else args.hf_cb_requests
         result |= bench_riptide(model_dir, prompts, max_new, args.concurrency, args.profile_server, cb_subset,
-                                args.threads)
+                                args.threads, args.device, args.dtype)
         log(f"(a) riptide {result['riptide_tok_s']:.0f} tok/s in {result['riptide_wall_s']:.1f} s")
 
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model = model.eval().requires_grad_(False)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    model = model.to(args.device).eval().requires_grad_(False)
 
     if "floor" not in skip:
         length = int(statistics.mean(len(p) for p in prompts) + statistics.mean(max_new) / 2)

@@ -168,7 +168,7 @@ def main() -> None:
                    help="py-spy Riptide's server during its first pass (raw stacks to PATH; a summary in the JSON)")
     p.add_argument("--scratch", default=str(ROOT / ".cache" / "bench"))
     a = p.parse_args()
-    from inference_server.device import usable_cores
+    from platforms import usable_cores
     scratch = Path(a.scratch)
     model = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch), arch="llama")
     threads = usable_cores()

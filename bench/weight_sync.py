@@ -154,6 +154,27 @@ class StreamClient:
         return sum(1 for rec in list(self.events) if len({v for _, _, v in rec}) > 1)
 
 
+def raw_d2h2d_gbps(params: dict[str, torch.Tensor]) -> float:
+    """The floor of a push on one accelerator machine: every tensor's bytes to page-locked host
+    memory and back into device memory, by DMA, queued at once, no hashing or protocol."""
+    from platforms import platform_of
+    device = next(iter(params.values())).device
+    nbytes = sum(t.nbytes for t in params.values())
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    back = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync = platform_of(device).synchronize
+    sync(device)
+    t = time.perf_counter()
+    at = 0
+    for p in params.values():
+        host[at:at + p.nbytes].copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
+        at += p.nbytes
+    sync(device)
+    back.copy_(host, non_blocking=True)
+    sync(device)
+    return nbytes / (time.perf_counter() - t) / 1e9
+
+
 # ---- the bench --------------------------------------------------------------------------------
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -166,6 +187,10 @@ def main() -> None:
     p.add_argument("--client-streams", type=int, default=2)
     p.add_argument("--two-reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one bucket size (128), fewer repetitions")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, npu: the trainer's weights and the servers live there "
+                                                   "(an accelerator adds raw_d2h2d_gbps: the same bytes device -> "
+                                                   "pinned host -> device, no Riptide code)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16: the trainer's and the servers' weights")
     a = p.parse_args()
     if a.quick:
         a.buckets, a.pushes, a.final_reps, a.disk_reps, a.load_pushes, a.two_reps = "128", 1, 2, 1, 1, 2
@@ -180,11 +205,11 @@ def main() -> None:
 
     t_start = time.perf_counter()
     path = model_dir(Path(a.model_dir))
-    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).to(a.device)
     params = named_weights(trainer)
     nbytes = sum(t.nbytes for t in params.values())
     log(f"model: {nbytes / 1e9:.3f} GB in {len(params)} tensors")
-    out: dict = {"model_bytes": nbytes}
+    out: dict = {"model_bytes": nbytes, "device": a.device, "dtype": a.dtype}
     version = 0
 
     def next_version() -> int:
@@ -194,7 +219,8 @@ def main() -> None:
         return version
 
     logs = Path(tempfile.mkdtemp(prefix="riptide_ws_bench_"))
-    servers = [ServerProcess(path, args=SERVER_ARGS, log_path=logs / f"server{i}.log") for i in range(2)]
+    servers = [ServerProcess(path, args=[*SERVER_ARGS, "--device", a.device, "--dtype", a.dtype],
+                             log_path=logs / f"server{i}.log") for i in range(2)]
     syncs: list[WeightSync] = []
     ckpt_dir = Path(tempfile.mkdtemp(prefix="ckpt_", dir=path.parent))
     try:
@@ -265,6 +291,12 @@ def main() -> None:
                    raw_mooncake_bucketed_gbps=round(median(raw_bucketed), 3),
                    ratio_vs_raw_paired=round(median([r.gbps / max(o, b) for r, o, b in
                                                      zip(runs, raw_one, raw_bucketed)]), 3))
+
+        if a.device != "cpu":
+            d2h2d = [raw_d2h2d_gbps(params) for _ in range(max(3, a.final_reps))]
+            out.update(raw_d2h2d_gbps=round(median(d2h2d), 3),
+                       ratio_vs_d2h2d=round(out["riptide_gbps"] / median(d2h2d), 3))
+            log(f"raw device -> host -> device copy: {['%.3f' % x for x in d2h2d]} GB/s")
 
         # (c) save_pretrained + /update_weights_from_disk, end to end. The reload maps the new file
         # lazily (safetensors), so its bytes are read (page faults) during the first decode step after

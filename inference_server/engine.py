@@ -21,11 +21,12 @@ from typing import Any, Callable
 import torch
 
 from inference_server import weights
-from inference_server.device import choose_device, choose_dtype, usable_cores
+from inference_server.kv_cache import kv_slots_that_fit
 from inference_server.model_runner import DecoderRunner, make_runner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Sequence
+from platforms import choose_device, choose_dtype, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +118,13 @@ class Engine:
         self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.cpu_threads = cpu_threads(args.cpu_threads) if self.device.type == "cpu" else None
         split = args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2
-        self.runner = make_runner(self.model, args.max_running_requests, self.context_length,
+        self.max_running = kv_slots_that_fit(args.max_running_requests, cfg, self.context_length, self.dtype,
+                                             self.device)
+        self.runner = make_runner(self.model, self.max_running, self.context_length,
                                   split_threads=1 if split else None)
         if isinstance(self._kv_runner, DecoderRunner):
             self._kv_runner.share_prompts = args.prefix_share
-        self.scheduler = Scheduler(args.max_running_requests, args.max_prefill_tokens, self.context_length)
+        self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
         if split:
             self.scheduler.pair_newcomers = 4
         self.sampler = Sampler(args.seed, self.device)

@@ -1,7 +1,38 @@
 """Contiguous per-slot KV cache: slot `i` holds sequence `running[i]`'s keys and values."""
 from __future__ import annotations
 
+import logging
+
 import torch
+
+from platforms import platform_of
+
+log = logging.getLogger(__name__)
+
+KV_MEMORY_FRACTION = 0.85   # of an accelerator's free memory once the weights are loaded; the rest: activations
+
+
+def kv_slots_that_fit(requested: int, config, context_length: int, dtype: torch.dtype, device: torch.device) -> int:
+    """How many sequences' KV caches to allocate: `requested`, or on an accelerator as many as fit
+    in KV_MEMORY_FRACTION of its free memory (fewer with a warning; an error when not even one fits).
+    `config`: the model's (layers, KV heads, head size)."""
+    platform = platform_of(device)
+    if not platform.accelerator:
+        return requested
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_slot = 2 * config.num_hidden_layers * kv_heads * context_length * head_dim * dtype.itemsize
+    free, total = platform.memory(device)
+    fit = int(free * KV_MEMORY_FRACTION) // per_slot
+    if fit < 1:
+        raise ValueError(f"the KV cache of one sequence at context {context_length} takes {per_slot / 2**20:.0f} MiB; "
+                         f"{device} has {free / 2**30:.2f} of {total / 2**30:.1f} GiB free after the weights: "
+                         f"lower --context-length")
+    if fit < requested:
+        log.warning("%s: KV caches for %d of the %d requested running sequences fit in %.2f GiB free at context %d: "
+                    "running at most %d", device, fit, requested, free / 2**30, context_length, fit)
+    return min(requested, fit)
 
 
 class SlotKVCache:

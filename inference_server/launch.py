@@ -17,6 +17,7 @@ from inference_server import weights
 from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app, is_loopback
 from inference_server.process import watch_parent
+from platforms import platform_of
 from weight_sync import routes
 from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
@@ -43,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     p.add_argument("--weight-sync-host", default=None, help="address Mooncake listens on (default: --host)")
-    p.add_argument("--weight-sync-protocol", default="tcp", help="Mooncake protocol: tcp, rdma, ...")
+    p.add_argument("--weight-sync-protocol", default="auto",
+                   help="Mooncake protocol: auto (the platform's: tcp on CPU, rdma on GPUs given NICs, ascend_direct "
+                        "on NPUs), tcp, rdma, ...")
     p.add_argument("--weight-sync-device", default="", help="Mooncake device name(s), e.g. an RDMA NIC")
     p.add_argument("--weight-sync-mode", default="shadow", choices=["shadow", "in_place"],
                    help="shadow: stage into a second copy, flip by pointer swap; in_place: no second copy, "
@@ -104,16 +107,23 @@ def main(argv: list[str] | None = None) -> None:
     if a.parent_pid is not None:
         watch_parent(a.parent_pid)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        platform = platform_of(a.device)
+        mooncake = platform.mooncake(a.weight_sync_protocol, a.weight_sync_device)
+    except ValueError as e:
+        raise SystemExit(f"riptide-serve: {e}") from None
     engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
                                max_running_requests=a.max_running_requests, context_length=a.context_length,
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                                weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                                prefix_share=a.prefix_share,
                                load_weights=a.weights_from_peer is None))
-    receiver = Receiver(EnginePort(engine), functools.partial(MooncakeTransport, a.weight_sync_host or a.host,
-                                                              a.weight_sync_protocol, a.weight_sync_device),
-                        shadow=a.weight_sync_mode == "shadow",
-                        peer_status=functools.partial(receiver_status, api_key=a.api_key))
+    def make_transport() -> MooncakeTransport:
+        platform.before_transport(engine.device)
+        return MooncakeTransport(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)
+    receiver = Receiver(EnginePort(engine), make_transport, shadow=a.weight_sync_mode == "shadow",
+                        peer_status=functools.partial(receiver_status, api_key=a.api_key),
+                        alignment=mooncake.alignment)
     app = create_app(engine, a.model_path, a.host, a.api_key)
     routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
     if not is_loopback(a.host) and a.api_key is None:

@@ -23,7 +23,7 @@ def cpu_share_args(num_servers: int) -> list[str]:
     other at every op; two processes have a GIL each)."""
     if num_servers <= 1:
         return []
-    from inference_server.device import usable_cores
+    from platforms import usable_cores
     share = max(1, usable_cores() // num_servers)
     return ["--cpu-threads", str(max(1, share - 1))] + (["--no-cpu-split"] if share < 2 else [])
 

@@ -62,6 +62,7 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
     (["task.name=bogus"], ["task.name='bogus'", "copy"]),
     (["rollout.max_new_tokens=10000"], ["rollout.max_new_tokens=10000", "server.context_length"]),
     (["trainer.device=npu"], ["trainer.device='npu'"]),
+    (["weight_sync.protocol=ascend_direct"], ["weight_sync.protocol='ascend_direct'", "tcp, rdma"]),
     (["trainer.lr=abc"], ["trainer.lr='abc'", "a number"]),
     (["trainer.resume=latest"], ["trainer.resume=latest", "no checkpoint"]),
     (["task.name=bogus", "trainer.lr=-1", "rollout.max_new_tokens=10000"],

@@ -122,7 +122,8 @@ class ServerConfig:
 
 @dataclass
 class WeightSyncConfig:
-    protocol: str = f("tcp", "Mooncake protocol: tcp here; rdma on clusters")
+    protocol: str = f("auto", "Mooncake protocol: auto (the platform's: tcp on CPU, rdma on GPUs when device_name "
+                              "names NICs, ascend_direct on NPUs), tcp, rdma, nvlink, ascend_direct")
     device_name: str = f("", "Mooncake device name(s), e.g. RDMA NICs; the trainer and the servers use the same")
     bucket_mb: int = f(64, "bucket size in MiB")
     num_slots: int = f(2, "staging slots per receiver (pipeline depth)")
@@ -139,8 +140,7 @@ class WeightSyncConfig:
             (self.inflight in ("continue", "abort"), f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'"),
             (self.bucket_mb >= 1, f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1"),
             (0.0 <= self.min_fraction <= 1.0, f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]"),
-            (self.timeout_s > 0, f"weight_sync.timeout_s={self.timeout_s}: must be > 0"),
-            (self.protocol in ("tcp", "rdma"), f"weight_sync.protocol={self.protocol!r}: use tcp or rdma")])
+            (self.timeout_s > 0, f"weight_sync.timeout_s={self.timeout_s}: must be > 0")])
         try:
             tree_parents(1, self.topology, self.fan_out)     # names a bad topology or fan_out
         except ValueError as e:
@@ -299,6 +299,9 @@ class JobConfig:
             problem = device_problem(name, device)
             if problem:
                 out.append(problem)
+        problem = protocol_problem(self.weight_sync, self.server.device)
+        if problem:
+            out.append(problem)
         if self.trainer.world_size > 1 and self.cluster.kind == "local" and "WORLD_SIZE" not in os.environ:
             problem = ranks_problem(self.trainer.device, self.trainer.world_size)
             if problem:
@@ -335,11 +338,24 @@ def device_problem(name: str, device: str) -> str | None:
     if kind not in ("auto", "cpu", "cuda", "npu"):
         return f"{name}={device!r}: use auto, cpu, cuda[:N] or npu[:N]"
     if kind in ("cuda", "npu"):
-        from inference_server.device import choose_device
+        from platforms import choose_device
         try:
             choose_device(device)
         except ValueError as e:
             return f"{name}={device!r}: {str(e).split(': ', 1)[-1]}"
+    return None
+
+
+def protocol_problem(ws: "WeightSyncConfig", device: str) -> str | None:
+    """Whether Mooncake speaks `ws.protocol` on the servers' platform (torch is imported only for
+    a protocol other than auto and tcp, which every build speaks)."""
+    if ws.protocol in ("auto", "tcp") or device_problem("server.device", device):
+        return None
+    from platforms import platform_of
+    try:
+        platform_of(device).mooncake(ws.protocol, ws.device_name)
+    except ValueError as e:
+        return f"weight_sync.protocol={ws.protocol!r}: {e}"
     return None
 
 
@@ -351,11 +367,11 @@ def ranks_problem(device: str, world_size: int) -> str | None:
     if ":" in device:
         return (f"trainer.device={device!r} names one device; with trainer.world_size={world_size} each rank "
                 f"takes its own: use {kind} or auto")
-    from inference_server.device import choose_device
+    from platforms import choose_device, platform_of
     chosen = choose_device(device)
     if chosen.type == "cpu":
         return None
-    have = getattr(__import__("torch"), chosen.type).device_count()
+    have = platform_of(chosen).device_count()
     if have < world_size:
         return (f"trainer.world_size={world_size}: this machine has {have} {chosen.type} device(s), one per rank "
                 f"needed (or trainer.device=cpu)")

@@ -45,6 +45,17 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
     return args + cpu_share_args(share)
 
 
+def device_env(device: str, i: int) -> dict[str, str]:
+    """Server i's share of this machine's accelerators: one each, round-robin, through the
+    platform's visible-devices variable (none on the CPU, or when `device` names one)."""
+    if device == "cpu" or ":" in device:
+        return {}
+    from platforms import platform_of
+    platform = platform_of(device)
+    count = platform.device_count()
+    return platform.visible_devices([i % count]) if count > 1 else {}
+
+
 class LocalFleet:
     """Servers as subprocesses of this process, on loopback; each dies with it (parent-death watch)."""
 
@@ -60,8 +71,11 @@ class LocalFleet:
 
     def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
         args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers)
-        procs = [ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{next(self._started)}.log")
-                 for _ in range(n)]
+        procs = []
+        for _ in range(n):
+            i = next(self._started)
+            procs.append(ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{i}.log",
+                                       env=device_env(self.server.device, i)))
         try:
             for p in procs:
                 p.spawn()

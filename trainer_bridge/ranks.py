@@ -95,7 +95,7 @@ def follow(model, trainer, first_step: int) -> None:
 def trainer_ranks(job: JobConfig):
     """The trainer's process group for the job's world size: yields this process's Lead (rank 0)
     or its rank's (the others). Stops the ranks it started and leaves the group on exit."""
-    from inference_server.device import choose_device, dist_backend
+    from platforms import choose_device, dist_backend
     env, k = os.environ, job.trainer.world_size
     backend = dist_backend(choose_device(job.trainer.device))
     timeout = datetime.timedelta(seconds=job.trainer.rank_timeout_s)
@@ -144,7 +144,7 @@ class _LocalRanks:
     """Ranks 1..k-1 as processes on this machine, each with cores // k threads and a log of its own."""
 
     def __init__(self, job: JobConfig, k: int):
-        from inference_server.device import usable_cores
+        from platforms import usable_cores
         from inference_server.process import free_port
         logs = Path(job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)

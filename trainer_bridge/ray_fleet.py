@@ -19,7 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from inference_server.device import server_bundle
+from platforms import server_bundle
 from inference_server.process import ServerProcess, free_port
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig

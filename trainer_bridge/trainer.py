@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from inference_server.device import rank_device
+from platforms import rank_device
 from trainer_bridge import grpo
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from platforms import platform_of
+
 DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
     torch.uint8, torch.bool)}
@@ -98,34 +100,74 @@ def _copy_hashed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
 
 
 def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -> str:
-    """Copy the bucket's pieces into `slot` (flat uint8, CPU); tensors already have the receiver's
-    dtype. Returns the bucket's digest (the pieces lie end to end: it is the digest of the slot)."""
-    return _copy_hashed([(slot[p.bucket_offset:p.bucket_offset + p.length],
-                          as_bytes(tensors[p.name])[p.offset:p.offset + p.length]) for p in bucket.pieces])
+    """Copy the bucket's pieces into `slot` (flat uint8, host memory); tensors already have the
+    receiver's dtype. Returns the bucket's digest (the pieces lie end to end: it is the digest of the
+    slot). Pieces on an accelerator come over by DMA, all queued before one wait, and the digest is
+    taken of the host bytes they became."""
+    pairs = [(slot[p.bucket_offset:p.bucket_offset + p.length], as_bytes(tensors[p.name])[p.offset:p.offset + p.length])
+             for p in bucket.pieces]
+    devices = {src.device for _, src in pairs if src.device.type != "cpu"}
+    if not devices:
+        return _copy_hashed(pairs)
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=True)
+    for device in devices:
+        platform_of(device).synchronize(device)
+    return digest(slot[:bucket.nbytes])
 
 
-def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor], like: str = "") -> str:
+def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch.Tensor], like: str = "",
+                    stream=None) -> str:
     """Copy the bucket's pieces out of `slot` into their places in `tensors`; return the digest of
     the bytes that landed there, in the form of `like` (the sender's digest: one of the whole
     bucket, or a parts digest). On the CPU a whole-bucket digest is that of the copy itself.
     Otherwise the slot is hashed before and after the copy: bytes that changed in between (a late
-    write) make the two differ, and the result then matches no sender's digest."""
+    write) make the two differ, and the result then matches no sender's digest. Copies to an
+    accelerator run on `stream` (a copy stream, so they do not queue behind the engine's steps)."""
     pairs = [(as_bytes(tensors[p.name])[p.offset:p.offset + p.length], slot[p.bucket_offset:p.bucket_offset + p.length])
              for p in bucket.pieces]
-    if is_parts_digest(like):
-        ranges = parse_parts_digest(like)
-        before = parts_digest(slot, ranges)
+    parts = is_parts_digest(like)
+    if not parts and all(dst.device.type == "cpu" for dst, _ in pairs):
+        return _copy_hashed(pairs)
+    ranges = parse_parts_digest(like) if parts else None
+    check = (lambda: parts_digest(slot, ranges)) if parts else (lambda: digest(slot[:bucket.nbytes]))
+    before = check()
+    _copy_all(pairs, stream)
+    after = check()
+    return after if after == before else f"changed during the copy ({before} -> {after})"
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]], stream) -> None:
+    """Every (dst, src) copy, host to device by DMA on `stream` where one is given; returns once done."""
+    if stream is None:
         for dst, src in pairs:
             dst.copy_(src)
-        after = parts_digest(slot, ranges)
-        return after if after == before else f"changed during the copy ({before} -> {after})"
-    if all(dst.device.type == "cpu" for dst, _ in pairs):
-        return _copy_hashed(pairs)
-    before = digest(slot[:bucket.nbytes])
-    for dst, src in pairs:
-        dst.copy_(src)
-    after = digest(slot[:bucket.nbytes])
-    return after if after == before else f"changed during the copy ({before} -> {after})"
+        return
+    platform = platform_of(stream.device)
+    with platform.module().stream(stream):
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+    stream.synchronize()
+
+
+def host_buffer(nbytes: int, alignment: int = 1, pinned: bool = False) -> torch.Tensor:
+    """A flat uint8 staging buffer in host memory, start and length multiples of `alignment`,
+    page-locked when an accelerator copies from or into it by DMA."""
+    length = -(-nbytes // alignment) * alignment
+    raw = torch.empty(length + alignment - 1, dtype=torch.uint8, pin_memory=pinned)
+    start = -raw.data_ptr() % alignment
+    return raw[start:start + length]
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous in host memory: as it is when it already is; from an accelerator by one DMA
+    into page-locked memory."""
+    if t.device.type == "cpu":
+        return t.contiguous()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    platform_of(t.device).synchronize(t.device)
+    return out
 
 
 # A bucket written by several senders (the ranks of a sharded trainer, each its own bytes) has no

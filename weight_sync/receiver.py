@@ -38,7 +38,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from weight_sync.bucket import Bucket, TensorSpec, plan_buckets, unpack_verified
+from platforms import platform_of
+from weight_sync.bucket import Bucket, TensorSpec, host_buffer, plan_buckets, unpack_verified
 from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind,
                                   InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
@@ -99,8 +100,12 @@ class _Update:
 
 class Receiver:
     def __init__(self, engine: ServingEngine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
-                 peer_status: Callable[[str], dict] | None = None):
+                 peer_status: Callable[[str], dict] | None = None, alignment: int = 1):
+        """`make_transport()` starts the transport at the first update; `alignment`: what its
+        registrations must be multiples of (Mooncake's ascend_direct: 2 MiB)."""
         self.engine = engine
+        self.alignment = alignment
+        self._copy_stream = None             # an accelerator's: slot -> weights copies beside the steps
         self.shadow = shadow
         self.stage_timeout_s = stage_timeout_s
         self._make_transport = make_transport
@@ -166,7 +171,8 @@ class Receiver:
                 update.paused_at = time.perf_counter()
                 self._set_torn(True)             # from here until commit the live weights are mixed
             bucket = update.plan[req.bucket]
-            got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest)
+            got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest,
+                                  stream=self._stream(update.targets))
             if got != req.digest:
                 update.applied.discard(req.bucket)
                 raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
@@ -310,11 +316,20 @@ class Receiver:
         slots = self._slot_sets[i]
         if len(slots) < count or slots[0].numel() < nbytes:
             self._retired_slots += slots
-            slots = self._slot_sets[i] = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(count)]
+            # Page-locked when the weights live on an accelerator: its copies out of a slot are DMA.
+            pinned = any(t.device.type != "cpu" for t in self.engine.parameters().values())
+            slots = self._slot_sets[i] = [host_buffer(nbytes, self.alignment, pinned) for _ in range(count)]
         slots = slots[:count]
         for s in slots:
             self.transport.register(s)
         return slots
+
+    def _stream(self, targets: dict[str, torch.Tensor]):
+        if self._copy_stream is None:
+            device = next(iter(targets.values())).device
+            if device.type != "cpu":
+                self._copy_stream = platform_of(device).copy_stream(device)
+        return self._copy_stream
 
     def _release_slots(self, update: _Update) -> None:
         for s in update.slots:

@@ -29,7 +29,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 
 from weight_sync import named_weights
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, pack, plan_buckets
+from platforms import detect
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.fanout import Fanout, Hop, tree_parents
 from weight_sync.protocol import CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, UpdateRef
@@ -110,11 +111,12 @@ class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
                  num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
                  api_key: str | None = None, topology: str = "star", fan_out: int = 2,
-                 host: str | None = None, protocol: str = "tcp", device_name: str = ""):
+                 host: str | None = None, protocol: str = "auto", device_name: str = ""):
         """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
         stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out).
         Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
-        the first receiver, loopback for a loopback fleet) with the receivers' protocol and device."""
+        the first receiver, loopback for a loopback fleet) with the receivers' protocol and device
+        (`auto`: this machine's platform's, see platforms.Platform.mooncake)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0.0 <= min_fraction <= 1.0:
@@ -125,10 +127,11 @@ class WeightSync:
         self.clients = [self._client(r) for r in receivers]
         if not self.clients:
             raise ValueError("WeightSync needs at least one receiver")
+        self.mooncake = detect().mooncake(protocol, device_name)
         if transport is None:
             from weight_sync.transports.mooncake import MooncakeTransport, routable_host
-            transport = MooncakeTransport(host or routable_host(getattr(self.clients[0], "url", "")), protocol,
-                                          device_name)
+            transport = MooncakeTransport(host or routable_host(getattr(self.clients[0], "url", "")),
+                                          self.mooncake.protocol, self.mooncake.device_name)
         self.transport = transport
         self.bucket_bytes, self.num_slots = bucket_bytes, num_slots
         self.topology, self.fan_out = topology, fan_out
@@ -159,8 +162,7 @@ class WeightSync:
         tensors = named_weights(weights)
 
         def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
-            sources = self._sources(tensors, specs)
-            self.stream(staging, self.plan(specs, stats), lambda bucket: sources, ref, stats)
+            self.stream(staging, self.plan(specs, stats), self._sources(tensors, specs), ref, stats)
         return self.run_update(version, InFlight(inflight), stage)
 
     def plan(self, specs: list[TensorSpec], stats: PushStats) -> list[Bucket]:
@@ -277,23 +279,33 @@ class WeightSync:
                 f"it asks its peers); pushing version {v} again completes it", stats)
         return stats
 
-    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
-        """The trainer's tensors, checked against what receivers need, as contiguous CPU tensors of
-        the receivers' dtype (converted here, once, only where they differ)."""
+    def _sources(self, tensors: dict[str, torch.Tensor], specs: list[TensorSpec]) -> Callable[[Bucket], dict]:
+        """The trainer's tensors, checked against what receivers need, bucket by bucket: each
+        contiguous, in the receivers' dtype (converted where it lies, on the trainer's device, once:
+        a tensor cut across buckets is kept until its last piece is packed)."""
         dtypes = check_weights(tensors, specs)
-        out = {}
-        for s in specs:
-            t = tensors[s.name].detach()
-            if t.device.type != "cpu" or t.dtype != dtypes[s.name] or not t.is_contiguous():
-                t = t.to("cpu", dtypes[s.name]).contiguous()
-            out[s.name] = t
-        return out
+        held: dict[str, torch.Tensor] = {}
+
+        def of(bucket: Bucket) -> dict[str, torch.Tensor]:
+            out = {}
+            for p in bucket.pieces:
+                t = held.get(p.name)
+                if t is None:
+                    t = tensors[p.name].detach().to(dtypes[p.name]).contiguous()
+                out[p.name] = t
+            held.clear()
+            last = bucket.pieces[-1]
+            if last.offset + last.length < out[last.name].nbytes:     # cut: its next piece opens the next bucket
+                held[last.name] = out[last.name]
+            return out
+        return of
 
     def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
                ref: UpdateRef, stats: PushStats) -> None:
         """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
-        `sources(bucket)`: the bucket's tensors (contiguous, CPU, the receivers' dtype), asked for in
-        plan order just before it is packed (a sharded model gathers them then)."""
+        `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
+        accelerator), asked for in plan order just before it is packed (a sharded model gathers
+        them then)."""
         self._ensure_local(max(b.nbytes for b in plan))
         ring, t = len(self._local), time.perf_counter()
         hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
@@ -371,6 +383,8 @@ class WeightSync:
             return
         for buf in self._local:
             self.transport.unregister(buf.data_ptr())
-        self._local = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(self.num_slots + 1)]
+        # Page-locked on a machine with an accelerator: the trainer's tensors come over by DMA.
+        pinned = detect().accelerator
+        self._local = [host_buffer(nbytes, self.mooncake.alignment, pinned) for _ in range(self.num_slots + 1)]
         for buf in self._local:
             self.transport.register(buf)

@@ -36,7 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from weight_sync import named_weights
-from weight_sync.bucket import Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, plan_buckets
+from platforms import MooncakeArgs
+from weight_sync.bucket import (Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, host_buffer,
+                                plan_buckets, to_host)
 from weight_sync.clients import ReceiverCallError
 from weight_sync.fanout import TRAINER, Fanout, Hop, tree_parents
 from weight_sync.protocol import InFlight, UpdateRef
@@ -108,9 +110,9 @@ class _GatherPush:
 
 
 def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
-        t = t.to("cpu", dtype).contiguous()
-    return t
+    """`t` in host memory as the servers' dtype (converted where it lies: on an accelerator the
+    device converts, and half the bytes of an fp32 -> bf16 push cross to the host)."""
+    return to_host(t.to(dtype) if t.dtype != dtype else t)
 
 
 def _send(message, group=None) -> None:
@@ -180,10 +182,10 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
             peak = max(peak, sum(t.nbytes for t in held))
             del held
         elif kind == _GO and body[0] == "specs":
-            specs, bucket_bytes, timeout_s = body[1:]
+            specs, bucket_bytes, timeout_s, mooncake = body[1:]
             specs = [TensorSpec(*s) for s in specs]
             writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
-                                 bucket_bytes, timeout_s)
+                                 bucket_bytes, timeout_s, mooncake=MooncakeArgs(*mooncake))
         elif kind == _GO and body[0] == "write":
             _, k, targets = body
             _gather(writer.write(k, targets), group)
@@ -213,20 +215,23 @@ def _shard0_rows(t) -> tuple[int, int] | None:
 _WRITERS: dict[str, tuple[Transport, torch.Tensor]] = {}   # a rank's engine and buffer, by its host
 
 
-def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None) -> tuple[Transport, torch.Tensor]:
+def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None,
+                    mooncake: MooncakeArgs) -> tuple[Transport, torch.Tensor]:
     """This rank's transfer engine and a registered buffer of at least `nbytes`, kept for the next
     pushes: on rank 0 its WeightSync's engine (the buffer lives and goes with the WeightSync), on
-    the others one engine per process, on the address that routes toward the servers."""
+    the others one engine per process, on the address that routes toward the servers, started as
+    rank 0's (`mooncake`: protocol, devices, alignment)."""
     if sync is not None:
         transport, buf = sync.transport, getattr(sync, "_direct_buffer", None)
     else:
         from weight_sync.transports.mooncake import MooncakeTransport, routable_host
         host = routable_host(toward.rsplit(":", 1)[0])
-        transport, buf = _WRITERS[host] if host in _WRITERS else (MooncakeTransport(host), None)
+        transport, buf = _WRITERS[host] if host in _WRITERS else (
+            MooncakeTransport(host, mooncake.protocol, mooncake.device_name), None)
     if buf is None or buf.numel() < nbytes:
         if buf is not None:
             transport.unregister(buf.data_ptr())
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = host_buffer(nbytes, mooncake.alignment)
         transport.register(buf)
     if sync is not None:
         sync._direct_buffer = buf
@@ -240,9 +245,11 @@ class _RankWriter:
     buffer, written to their offsets in every server's slot."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], group, plan: list[Bucket], dtypes: dict[str, torch.dtype],
-                 bucket_bytes: int, timeout_s: float, sync: WeightSync | None = None):
+                 bucket_bytes: int, timeout_s: float, sync: WeightSync | None = None,
+                 mooncake: MooncakeArgs | None = None):
         self.tensors, self.group, self.plan, self.dtypes = tensors, group, plan, dtypes
         self.bucket_bytes, self.timeout_s, self.sync = bucket_bytes, timeout_s, sync
+        self.mooncake = mooncake or sync.mooncake
         self.rank = torch.distributed.get_rank(group)
         self._dtensor = _dtensor_type()
         self._last = {p.name: b.index for b in self.plan for p in b.pieces}
@@ -280,7 +287,8 @@ class _RankWriter:
         parts written (bucket offset, length, xxh3), the targets whose write failed (index -> why)
         and the bytes this rank sent."""
         bucket = self.plan[k]
-        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", self.bucket_bytes, self.sync)
+        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", self.bucket_bytes, self.sync,
+                                      self.mooncake)
         parts, ops, at = [], [], 0
         for p in bucket.pieces:
             mine = self._bytes(p.name)
@@ -329,7 +337,9 @@ class _DirectPush:
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
-        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s)), self.group)
+        m = sync.mooncake
+        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, (m.protocol, m.device_name, m.alignment))),
+              self.group)
         writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
