@@ -35,6 +35,7 @@ class Platform:
     visible_devices_env: str | None        # the variable that picks a process's devices
     mooncake_protocols: tuple[str, ...]    # what Mooncake's build for this platform speaks
     mooncake_wheel: str                    # that build's wheel on PyPI
+    fused_adamw: bool = True               # torch.optim.AdamW(fused=True) runs here
     torch_plugin: str | None = None        # the module that registers the device with torch (torch_npu)
     runtime: Any = field(default=None, compare=False, repr=False)   # stand-in for torch.<device_type>
 
@@ -118,4 +119,4 @@ class Platform:
 CPU = Platform("cpu", "gloo", None, None, ("tcp", "rdma"), "mooncake-transfer-engine-non-cuda")
 CUDA = Platform("cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", ("tcp", "rdma", "nvlink"), "mooncake-transfer-engine")
 NPU = Platform("npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", ("ascend_direct", "ascend", "tcp"),
-               "mooncake-transfer-engine-npu", torch_plugin="torch_npu")
+               "mooncake-transfer-engine-npu", fused_adamw=False, torch_plugin="torch_npu")
