@@ -57,7 +57,9 @@ FAILED=()
 step() {    # step NAME LIMIT_S COMMAND...: run it (or print it), log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
-    echo "== $name (limit ${limit}s): $*"
+    local shown=() a
+    for a in "$@"; do [[ $a == *[[:space:]]* ]] && shown+=("'$a'") || shown+=("$a"); done
+    echo "== $name (limit ${limit}s): ${shown[*]}"
     [ $DRY = 1 ] && return 0
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -93,10 +95,10 @@ print({'device': str(d), 'count': p.device_count(), 'name': getattr(p.module(), 
        'backend': p.dist_backend, 'ray_resource': p.ray_resource, 'mooncake': p.mooncake('auto')})"
 [ $DRY = 1 ] || cat "$OUT/platform.log"
 
-step tests 150 "$VPY" -m pytest -q -rs -m "gpu or npu or not slow" tests/test_device.py tests/test_platforms.py \
+step tests 140 "$VPY" -m pytest -q -rs -m "gpu or npu or not slow" tests/test_device.py tests/test_platforms.py \
     --junitxml="$OUT/tests.xml"
 
-step serve 100 "$VPY" bench/serve_throughput.py --device "$DEV" --dtype bfloat16 --hidden 1024 --layers 16 \
+step serve 120 "$VPY" bench/serve_throughput.py --device "$DEV" --dtype bfloat16 --hidden 1024 --layers 16 \
     --vocab 32000 --num-requests 128 --skip hf_cb && keep_json serve
 
 if [ $DRY = 1 ] || "$VPY" -c "import mooncake.engine" 2>/dev/null; then
