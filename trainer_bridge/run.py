@@ -142,12 +142,13 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         backend.load_state_dict(rollout_state)
         log.info("resuming from %s at step %d", resume, first_step)
 
-    saved = {"step": None}
+    saved_step = None
 
     def save(step: int) -> Path:
+        nonlocal saved_step
         lead.save(step, ckpt_dir)
         path = trainer.save(ckpt_dir, step, backend.state_dict(), backend.tokenizer)
-        saved["step"] = step
+        saved_step = step
         return path
 
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(job), job.trainer.steps, first_step)
@@ -179,7 +180,7 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
             path = save(done) if done > first_step else latest_checkpoint(run_dir)
             lead.stop()
             raise Stopped(SIGNAL["number"], done, path)
-        if saved["step"] != done:       # the last step's periodic checkpoint is the final one
+        if saved_step != done:       # the last step's periodic checkpoint is the final one
             save(done)
         lead.stop()
         note = partial_rollout_note(job, monitor.history[-1] if monitor.history else {})

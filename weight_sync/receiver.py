@@ -105,6 +105,7 @@ class Receiver:
         registrations must be multiples of (Mooncake's ascend_direct: 2 MiB)."""
         self.engine = engine
         self.alignment = alignment
+        self._weights_device: torch.device | None = None
         self._copy_stream = None             # an accelerator's: slot -> weights copies beside the steps
         self.shadow = shadow
         self.stage_timeout_s = stage_timeout_s
@@ -172,7 +173,7 @@ class Receiver:
                 self._set_torn(True)             # from here until commit the live weights are mixed
             bucket = update.plan[req.bucket]
             got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest,
-                                  stream=self._stream(update.targets))
+                                  stream=self._stream())
             if got != req.digest:
                 update.applied.discard(req.bucket)
                 raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
@@ -317,18 +318,23 @@ class Receiver:
         if len(slots) < count or slots[0].numel() < nbytes:
             self._retired_slots += slots
             # Page-locked when the weights live on an accelerator: its copies out of a slot are DMA.
-            pinned = any(t.device.type != "cpu" for t in self.engine.parameters().values())
+            pinned = self._device().type != "cpu"
             slots = self._slot_sets[i] = [host_buffer(nbytes, self.alignment, pinned) for _ in range(count)]
         slots = slots[:count]
         for s in slots:
             self.transport.register(s)
         return slots
 
-    def _stream(self, targets: dict[str, torch.Tensor]):
-        if self._copy_stream is None:
-            device = next(iter(targets.values())).device
-            if device.type != "cpu":
-                self._copy_stream = platform_of(device).copy_stream(device)
+    def _device(self) -> torch.device:
+        """Where the served weights (and so every update's targets) live; that never changes."""
+        if self._weights_device is None:
+            self._weights_device = next(iter(self.engine.parameters().values())).device
+        return self._weights_device
+
+    def _stream(self):
+        device = self._device()
+        if self._copy_stream is None and device.type != "cpu":
+            self._copy_stream = platform_of(device).copy_stream(device)
         return self._copy_stream
 
     def _release_slots(self, update: _Update) -> None:

@@ -127,7 +127,8 @@ class WeightSync:
         self.clients = [self._client(r) for r in receivers]
         if not self.clients:
             raise ValueError("WeightSync needs at least one receiver")
-        self.mooncake = detect().mooncake(protocol, device_name)
+        self.platform = detect()                  # this machine's: the trainer's tensors live on it
+        self.mooncake = self.platform.mooncake(protocol, device_name)
         if transport is None:
             from weight_sync.transports.mooncake import MooncakeTransport, routable_host
             transport = MooncakeTransport(host or routable_host(getattr(self.clients[0], "url", "")),
@@ -384,7 +385,7 @@ class WeightSync:
         for buf in self._local:
             self.transport.unregister(buf.data_ptr())
         # Page-locked on a machine with an accelerator: the trainer's tensors come over by DMA.
-        pinned = detect().accelerator
-        self._local = [host_buffer(nbytes, self.mooncake.alignment, pinned) for _ in range(self.num_slots + 1)]
+        self._local = [host_buffer(nbytes, self.mooncake.alignment, self.platform.accelerator)
+                       for _ in range(self.num_slots + 1)]
         for buf in self._local:
             self.transport.register(buf)

@@ -185,7 +185,7 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
             specs, bucket_bytes, timeout_s, mooncake = body[1:]
             specs = [TensorSpec(*s) for s in specs]
             writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
-                                 bucket_bytes, timeout_s, mooncake=MooncakeArgs(*mooncake))
+                                 bucket_bytes, timeout_s, mooncake=mooncake)
         elif kind == _GO and body[0] == "write":
             _, k, targets = body
             _gather(writer.write(k, targets), group)
@@ -337,9 +337,7 @@ class _DirectPush:
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
-        m = sync.mooncake
-        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, (m.protocol, m.device_name, m.alignment))),
-              self.group)
+        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
         writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
