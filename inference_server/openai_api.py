@@ -9,13 +9,13 @@ implement (tools, penalties, logit_bias, ...) is refused with a 400 naming it, n
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from inference_server.http_server import dumps
 from inference_server.io_struct import ChatCompletionRequest, CompletionRequest, GenerateReqInput, SamplingParamsIn
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -72,9 +72,9 @@ async def _stream(server, seqs, chunk, usage: bool) -> AsyncIterator[str]:
     async for i, n, finished in server.updates(seqs):
         piece, ids, new = texts.delta(i, n, finished)
         if piece or ids or finished:
-            yield f"data: {json.dumps(chunk(i, piece, ids, new, _finish(seqs[i], finished)))}\n\n"
+            yield f"data: {dumps(chunk(i, piece, ids, new, _finish(seqs[i], finished)))}\n\n"
     if usage:
-        yield f"data: {json.dumps(chunk(None, '', [], range(0), None) | {'choices': [], 'usage': _usage(seqs)})}\n\n"
+        yield f"data: {dumps(chunk(None, '', [], range(0), None) | {'choices': [], 'usage': _usage(seqs)})}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -89,10 +89,6 @@ async def _generate(server, prompt_ids: list[list[int]], sp: SamplingParamsIn, s
     if not stream:
         await server.run(seqs)
     return seqs
-
-
-def _decode(server, token: int) -> str:
-    return server.tokenizer.decode([token])
 
 
 async def completion(server, req: CompletionRequest):
@@ -110,9 +106,9 @@ async def completion(server, req: CompletionRequest):
         if req.logprobs is None:
             return None
         tops = seq.output_top_logprobs[new.start:new.stop] if top else []
-        return {"tokens": [_decode(server, t) for t in seq.output_ids[new.start:new.stop]],
+        return {"tokens": [server.token_text(t) for t in seq.output_ids[new.start:new.stop]],
                 "token_logprobs": seq.output_logprobs[new.start:new.stop],
-                "top_logprobs": [{_decode(server, t): lp for t, lp in step} for step in tops] if top else None,
+                "top_logprobs": [{server.token_text(t): lp for t, lp in step} for step in tops] if top else None,
                 "text_offset": None}
 
     if req.stream:
@@ -153,10 +149,10 @@ async def chat_completion(server, req: ChatCompletionRequest):
         tops = seq.output_top_logprobs[new.start:new.stop] if top else [[]] * len(new)
         content = []
         for t, lp, step in zip(seq.output_ids[new.start:new.stop], seq.output_logprobs[new.start:new.stop], tops):
-            token = _decode(server, t)
+            token = server.token_text(t)
             content.append({"token": token, "logprob": lp, "bytes": list(token.encode()),
-                            "top_logprobs": [{"token": _decode(server, u), "logprob": v,
-                                              "bytes": list(_decode(server, u).encode())} for u, v in step]})
+                            "top_logprobs": [{"token": server.token_text(u), "logprob": v,
+                                              "bytes": list(server.token_text(u).encode())} for u, v in step]})
         return {"content": content}
 
     if req.stream:
