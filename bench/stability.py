@@ -11,6 +11,7 @@ with a record per task and `all_hold`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,10 +45,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--override", action="append", default=[])
+    p.add_argument("--keep", default=None, metavar="DIR", help="keep each task's run dir under DIR (default: a temp dir)")
     args = p.parse_args()
     from examples.digit_map import write
     out = {}
-    with tempfile.TemporaryDirectory(prefix="riptide_stability_") as d:
+    with contextlib.ExitStack() as stack:
+        d = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="riptide_stability_"))
         data = write(Path(d) / "digit_map.jsonl")
         for task in args.tasks.split(","):
             run_dir = Path(d) / task

@@ -192,6 +192,7 @@ class RolloutManager:
         raise Stopped() from error
 
     def _filter(self, group: Group) -> None:
+        self.metrics.scored(group.rewards)
         reason = self.group_filter(group)
         if reason is not None:
             # Like verl's max_num_gen_batches: a converged model makes most groups all-equal;

@@ -91,6 +91,17 @@ class RolloutMetrics:
     wait_for_old_s: float = 0.0    # ... the trainer's wait for them (part of its wait for data)
     tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
     lengths: LengthLedger = field(default_factory=LengthLedger)
+    samples_scored: int = 0        # samples of whole groups scored, the filter's drops included
+    reward_scored: float = 0.0     # ... their rewards' sum
+    correct_scored: int = 0        # ... how many got full reward (>= 0.999)
+
+    def scored(self, rewards: list[float]) -> None:
+        """A whole group's rewards, before the filter: with dynamic sampling (all_equal) the trained
+        batch leaves out the groups a prompt already solves (all 1) or fails (all 0), so only these
+        totals show the reward the policy gets."""
+        self.samples_scored += len(rewards)
+        self.reward_scored += sum(rewards)
+        self.correct_scored += sum(r >= 0.999 for r in rewards)
 
     def snapshot(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("drops", "tokens_by_server", "lengths")}
@@ -105,6 +116,7 @@ class BatchReport:
     def __init__(self, metrics: RolloutMetrics):
         self.metrics = metrics
         self._last = (time.monotonic(), 0, 0)   # time, samples finished, tokens generated
+        self._last_scored = (0, 0.0, 0)         # samples scored, their reward, full-reward samples
         self._last_by_server: collections.Counter = collections.Counter()
 
     def __call__(self, groups: list[Group], trainer_version: int, wait_s: float, gauges: dict) -> dict:
@@ -115,6 +127,11 @@ class BatchReport:
         by_server = {url: (n - self._last_by_server[url]) / dt for url, n in m.tokens_by_server.items()}
         self._last_by_server = collections.Counter(m.tokens_by_server)
         samples = [s for g in groups for s in g.samples]
+        trained_reward = sum(s.reward for s in samples) / len(samples)
+        trained_correct = sum(s.reward >= 0.999 for s in samples) / len(samples)
+        n, total, correct = (now_ - last for now_, last in zip((m.samples_scored, m.reward_scored, m.correct_scored),
+                                                              self._last_scored))
+        self._last_scored = (m.samples_scored, m.reward_scored, m.correct_scored)
         staleness = collections.Counter(s.staleness(trainer_version) for s in samples)
         return {
             **m.snapshot(),
@@ -125,7 +142,13 @@ class BatchReport:
             **gauges,
             "staleness_hist": dict(sorted(staleness.items())),
             "max_staleness": max(staleness),
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "reward_mean": trained_reward,        # the trained batch
+            "accuracy": trained_correct,
+            # every group scored since the last batch, filtered ones included (the batch's own
+            # groups when it was ready before then)
+            "scored_reward_mean": total / n if n else trained_reward,
+            "scored_accuracy": correct / n if n else trained_correct,
+            "samples_scored_since": n,
             "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "trainer_version": trainer_version,
         }

@@ -555,6 +555,30 @@ def test_filter_patience_keeps_groups_when_every_group_lacks_signal(servers, tok
     assert_lengths_add_up(metrics)
 
 
+def test_the_reward_of_groups_the_filter_drops_still_counts_in_the_policys_reward(servers, tokenizer):
+    """A prompt the policy solves (every sample 1) leaves the trained batch under all_equal, so the
+    batch's reward understates the policy's: scored_reward_mean counts every scored group."""
+    async def solved_or_parity(sample):
+        return 1.0 if sample.label % 4 == 0 else float(sample.response_ids[0] % 2)
+
+    async def main():
+        m = manager([servers()[0].url], tokenizer, reward=solved_or_parity, max_staleness=8)
+        await m.start()
+        out = [await m.next_batch() for _ in range(3)]
+        await m.stop()
+        return out
+    scored = trained = 0.0
+    for groups, metrics in run(main()):
+        assert metrics["reward_mean"] == pytest.approx(sum(s.reward for g in groups for s in g.samples) / 8)
+        assert 0 <= metrics["scored_reward_mean"] <= 1 and metrics["samples_scored_since"] % 4 == 0
+        scored += metrics["scored_reward_mean"] * metrics["samples_scored_since"]
+        trained += metrics["reward_mean"]
+    total = metrics["samples_scored"]
+    assert metrics["drops"].get("all_equal_rewards", 0) >= 1            # solved prompts were filtered out
+    assert scored == pytest.approx(metrics["reward_scored"]) and total >= 3 * 8
+    assert metrics["reward_scored"] / total > trained / 3             # the batches understate the policy
+
+
 def test_the_length_ledger_shows_which_lengths_are_dropped():
     """Long samples dropped as stale pull length_bias below 1; every sample is accounted for."""
     from rollout.metrics import LengthLedger

@@ -49,8 +49,12 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
     r = batch.metrics
     rewards = batch.rewards
     lengths = [len(s.response_ids) for s in batch.samples]
-    out = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-           "reward/accuracy": float((rewards >= 0.999).float().mean()),
+    # reward/mean and reward/accuracy: every group the rollout scored since the last step, the ones
+    # the filter dropped included (with all_equal, a prompt the policy solves leaves the trained
+    # batch, whose reward then says little of how well the policy does); reward/trained_*: the batch
+    out = {"reward/mean": r["scored_reward_mean"], "reward/accuracy": r["scored_accuracy"],
+           "reward/trained_mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+           "reward/trained_accuracy": float((rewards >= 0.999).float().mean()),
            "response/length_mean": sum(lengths) / len(lengths),
            "rollout/tokens_per_s": r["tokens_per_s"], "rollout/samples_per_s": r["samples_per_s"],
            "rollout/inflight": r["inflight"], "rollout/tokens_aborted": r["tokens_aborted"],
