@@ -10,15 +10,14 @@ import asyncio
 import contextlib
 import ipaddress
 import json
-import re
-
-import orjson
 import logging
+import re
 import time
 import uuid
 from dataclasses import asdict
 from typing import AsyncIterator, Awaitable, Callable
 
+import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse

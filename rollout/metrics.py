@@ -128,10 +128,9 @@ class BatchReport:
         self._last_by_server = collections.Counter(m.tokens_by_server)
         samples = [s for g in groups for s in g.samples]
         trained_reward = sum(s.reward for s in samples) / len(samples)
-        trained_correct = sum(s.reward >= 0.999 for s in samples) / len(samples)
-        n, total, correct = (now_ - last for now_, last in zip((m.samples_scored, m.reward_scored, m.correct_scored),
-                                                              self._last_scored))
-        self._last_scored = (m.samples_scored, m.reward_scored, m.correct_scored)
+        scored = (m.samples_scored, m.reward_scored, m.correct_scored)
+        n, total, correct = (a - b for a, b in zip(scored, self._last_scored))
+        self._last_scored = scored
         staleness = collections.Counter(s.staleness(trainer_version) for s in samples)
         return {
             **m.snapshot(),
@@ -143,11 +142,10 @@ class BatchReport:
             "staleness_hist": dict(sorted(staleness.items())),
             "max_staleness": max(staleness),
             "reward_mean": trained_reward,        # the trained batch
-            "accuracy": trained_correct,
             # every group scored since the last batch, filtered ones included (the batch's own
             # groups when it was ready before then)
             "scored_reward_mean": total / n if n else trained_reward,
-            "scored_accuracy": correct / n if n else trained_correct,
+            "scored_accuracy": correct / n if n else sum(s.reward >= 0.999 for s in samples) / len(samples),
             "samples_scored_since": n,
             "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
             "trainer_version": trainer_version,
