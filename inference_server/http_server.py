@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import re
@@ -29,22 +28,10 @@ from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, Co
                                         GenerateReqInput, PauseGenerationReqInput, SamplingParamsIn,
                                         UpdateWeightsFromDiskReqInput, parse_version)
 from inference_server.metrics import metrics_text
+from inference_server.process import is_loopback
 from inference_server.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
-ADMIN_PATHS = {"/update_weights_from_disk", "/pause_generation", "/continue_generation",
-               "/abort_request", "/flush_cache"}
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class _Gate:
     """Refuses requests before they reach a route (see `gate` in create_app). Plain ASGI: Starlette's
     BaseHTTPMiddleware would pipe every response through a memory stream, on the engine's GIL."""
@@ -299,8 +286,9 @@ class Server:
 
 def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key: str | None = None) -> FastAPI:
     """SGLang's native API and OpenAI's over `engine`. More routes mount on it (weight sync does):
-    they extend `app.state.admin_prefixes` (gated like the admin paths), `cold_prefixes` (reachable
-    before a cold server has weights) and the `on_startup` / `on_shutdown` hooks."""
+    they extend `app.state.cold_prefixes` (reachable before a cold server has weights) and the
+    `on_startup` / `on_shutdown` hooks. With `api_key` every path but /health needs it as a bearer
+    token; off loopback a server without one refuses every path but /health."""
     server = Server(engine, model_path)
 
     @contextlib.asynccontextmanager
@@ -315,7 +303,7 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     app = FastAPI(title="Riptide inference server", lifespan=lifespan)
     app.state.server = server
-    app.state.admin_prefixes, app.state.cold_prefixes = [], ["/get_", "/metrics", "/v1/models"]
+    app.state.cold_prefixes = ["/get_", "/metrics", "/v1/models", "/progress"]
     app.state.on_startup, app.state.on_shutdown = [], []
     app.add_middleware(_Gate, gate=_gate(app, engine, host, api_key))
 
@@ -343,21 +331,23 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
 
 def _gate(app: FastAPI, engine: Engine, host: str, api_key: str | None):
-    admin_locked = api_key is None and not is_loopback(host)
-    if admin_locked:
-        log.warning("listening on %s without --api-key: admin endpoints are refused", host)
+    # Off loopback a server without a token would serve anyone on the network: everything but
+    # /health is refused then (the launcher refuses to start that way; this covers other callers).
+    open_off_loopback = api_key is None and not is_loopback(host)
+    if open_off_loopback:
+        log.warning("listening on %s without an API key: every endpoint but /health is refused", host)
 
     def gate(path: str, authorization: str | None) -> JSONResponse | None:
-        """The refusal for a request, if any: bearer token, admin paths off loopback, cold start."""
-        if api_key is not None and authorization != f"Bearer {api_key}":
+        """The refusal for a request, if any: bearer token (not for /health), cold start."""
+        if path != "/health" and open_off_loopback:
+            return JSONResponse({"error": f"{path}: this server listens on {host} without an API key; start it "
+                                          f"with RIPTIDE_API_KEY (or --api-key) to serve off loopback"},
+                                status_code=403)
+        if path != "/health" and api_key is not None and authorization != f"Bearer {api_key}":
             return JSONResponse({"error": "missing or wrong bearer token (Authorization: Bearer <api-key>)"},
                                 status_code=401)
-        if admin_locked and (path in ADMIN_PATHS or path.startswith(tuple(app.state.admin_prefixes))):
-            return JSONResponse({"error": f"{path} is an admin endpoint: start the server with --api-key "
-                                          f"to use it on a non-loopback address ({host})"}, status_code=403)
         if not engine.has_weights and not path.startswith(tuple(app.state.cold_prefixes)):
-            return JSONResponse({"error": "no weights yet: waiting for a peer to push them (cold start)"},
-                                status_code=503)
+            return JSONResponse({"error": "no weights yet: waiting for a push (cold start)"}, status_code=503)
         return None
     return gate
 
@@ -446,6 +436,15 @@ def _info_routes(app: FastAPI, server: Server, host: str) -> None:
         finally:
             probe.cancel()
         return {"status": "ok"}
+
+    @app.get("/progress")
+    async def progress():
+        """What the engine has done so far, for liveness: a slow server's steps, or the CPU time of
+        every thread but this event loop's (the engine's step under way), move between two probes;
+        a hung one's do not, however many probes it answers; a frozen one does not answer."""
+        running, waiting = engine.counts()
+        return {"steps": engine.stats.steps, "generation_tokens": engine.stats.generation_tokens,
+                "cpu_s": time.process_time() - time.thread_time(), "num_running": running, "num_waiting": waiting}
 
     @app.get("/get_model_info")
     async def get_model_info():

@@ -15,8 +15,8 @@ import uvicorn
 
 from inference_server import weights
 from inference_server.engine import Engine, EngineArgs, PauseMode
-from inference_server.http_server import create_app, is_loopback
-from inference_server.process import watch_parent
+from inference_server.http_server import create_app
+from inference_server.process import API_KEY_ENV, is_loopback, watch_parent
 from platforms import platform_of
 from weight_sync import routes
 from weight_sync.clients import receiver_status
@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU with one torch thread a step: do not run big steps as two halves on two threads")
     p.add_argument("--no-prefix-share", dest="prefix_share", action="store_false",
                    help="prefill every request's prompt, even one a running request already holds (for comparison)")
-    p.add_argument("--api-key", default=None, help="bearer token every endpoint then requires")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
+                   help=f"bearer token every endpoint but /health then requires (default: ${API_KEY_ENV}, which keeps "
+                        f"it off the command line); required off loopback")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     p.add_argument("--weight-sync-host", default=None, help="address Mooncake listens on (default: --host)")
@@ -61,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-running-requests must be >= 1")
     if a.cpu_threads is not None and a.cpu_threads < 1:
         p.error("--cpu-threads must be >= 1")
+    if not is_loopback(a.host) and a.api_key is None:
+        p.error(f"--host {a.host} is not a loopback address: off loopback every endpoint but /health needs a bearer "
+                f"token; set {API_KEY_ENV} (or --api-key)")
     return a
 
 
@@ -126,8 +131,6 @@ def main(argv: list[str] | None = None) -> None:
                         alignment=mooncake.alignment)
     app = create_app(engine, a.model_path, a.host, a.api_key)
     routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
-    if not is_loopback(a.host) and a.api_key is None:
-        logging.getLogger(__name__).warning("admin endpoints are refused on %s without --api-key", a.host)
     leave_engines_to_exit()
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, timeout_keep_alive=75)
     # Stopped: the app's shutdown hooks have stopped the engine and closed the receiver. Leave without

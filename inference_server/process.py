@@ -1,6 +1,7 @@
 """Start and stop server subprocesses on free loopback ports (tests, benches, launches)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import socket
@@ -28,6 +29,18 @@ def cpu_share_args(num_servers: int) -> list[str]:
     return ["--cpu-threads", str(max(1, share - 1))] + (["--no-cpu-split"] if share < 2 else [])
 
 
+API_KEY_ENV = "RIPTIDE_API_KEY"        # how a server gets its bearer token: never on a command line
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -53,12 +66,15 @@ class ServerProcess:
     """`python -m inference_server ...` as a child process; a context manager that always stops it."""
 
     def __init__(self, model_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
-                 args: list[str] | None = None, log_path: str | Path | None = None, env: dict | None = None):
+                 args: list[str] | None = None, log_path: str | Path | None = None, env: dict | None = None,
+                 api_key: str | None = None):
+        """`api_key` reaches the server through its environment (API_KEY_ENV), never its
+        command line, which any user of the machine can read."""
         self.model_path, self.host = str(model_path), host
         self.port = port or free_port(host)
         self.args = list(args or [])
         self.log_path = log_path
-        self.env = env
+        self.env = {**(env or {}), **({API_KEY_ENV: api_key} if api_key else {})}
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -78,20 +94,17 @@ class ServerProcess:
                "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()), *self.args]
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(self.env or {})}, start_new_session=True)
+                                     env={**os.environ, **self.env}, start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        headers = {}
-        if "--api-key" in self.args:
-            headers["Authorization"] = f"Bearer {self.args[self.args.index('--api-key') + 1]}"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server on port {self.port} exited with code {self.proc.returncode}"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
             try:
-                if httpx.get(f"{self.url}/health", timeout=2, headers=headers).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:      # /health needs no token
                     return
             except httpx.HTTPError:
                 pass

@@ -55,6 +55,7 @@ class ServerClient:
         self.timeout_s, self.max_connections = timeout_s, max_connections
         self.connect_retries = connect_retries
         self._session: aiohttp.ClientSession | None = None     # made on first use, on the running loop
+        self._no_progress_route, self._probes = False, 0
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -130,9 +131,26 @@ class ServerClient:
         except ServerError:
             return False
 
-    async def progressing(self, timeout_s: float) -> bool:
-        """Does the server make progress? SGLang's /health_generate answers once it has stepped
-        (or generated a token for the probe); a frozen or hung server does not answer at all."""
+    async def progress(self, timeout_s: float) -> tuple[float, float] | None:
+        """(steps, CPU seconds) the server has done so far, or None when it does not answer within
+        `timeout_s` (frozen, unreachable). A plain SGLang server has no /progress: its
+        /health_generate answers once it has stepped, and counts as one step each time."""
+        if not self._no_progress_route:
+            try:
+                out = await self.get("/progress", timeout=timeout_s)
+                return float(out["steps"]), float(out["cpu_s"])
+            except ServerError as e:
+                if "answered 404" not in str(e):
+                    return None
+                self._no_progress_route = True
+        if not await self.steps_again(timeout_s):
+            return None
+        self._probes += 1
+        return float(self._probes), 0.0
+
+    async def steps_again(self, timeout_s: float) -> bool:
+        """Does the server step? SGLang's /health_generate answers once it has stepped (or
+        generated a token for the probe, so an idle server proves itself too)."""
         try:
             await self.get("/health_generate", timeout=timeout_s)
             return True

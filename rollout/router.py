@@ -1,11 +1,15 @@
 """Spreads requests over servers: least in flight first; a multi-turn session sticks to its server.
 
-Liveness: a server that fails a request is marked down, and so is one that stops making progress.
-`watch()` probes every server with requests in flight (`/health_generate`, which answers as soon as
-the server steps); one that does not answer within `progress_timeout_s` (frozen, hung, or accepting
-connections it never serves) is marked down, and its requests in flight are cancelled: each raises
-a retryable ServerError, so its sample resumes elsewhere from the tokens it holds. A server marked
-down gets no new work until the same probe passes again.
+Liveness is judged by progress, not by how fast one probe answers. `watch()` asks every server with
+requests in flight what it has done so far (`/progress`: engine steps, CPU seconds off its HTTP thread) every
+`probe_every_s`. A server that steps slowly (a trainer sharing its cores, a long prefill) still
+moves its counters between probes and stays up, however long its steps take. One that does not
+answer within `progress_timeout_s` (frozen, unreachable) or answers without moving its counters
+for `progress_timeout_s` (hung) is marked down, and its requests in flight are cancelled: each
+raises a retryable ServerError, so its sample resumes elsewhere from the tokens it holds. When no
+other server is up, nothing is cancelled (there is nowhere to move to): the requests wait there.
+A server that fails a request is marked down too. A server marked down gets no new work until it
+makes progress again.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ class Router:
         self._calls: dict[str, set[asyncio.Task]] = {c.url: set() for c in clients}
         self._evicted: set[asyncio.Task] = set()
         self._evicted_why: dict[str, str] = {}
+        self._seen: dict[str, tuple[float, float, float]] = {}    # url -> (steps, cpu_s, when they last moved)
 
     def pick(self, sticky: ServerClient | None = None) -> ServerClient:
         if sticky is not None and sticky in self.clients and sticky.url not in self.down:
@@ -63,6 +68,7 @@ class Router:
             self._evicted.discard(task)
 
     def mark_down(self, client: ServerClient, reason: str) -> None:
+        self._seen.pop(client.url, None)
         if client.url not in self.down:
             log.warning("server %s marked down: %s", client.url, reason)
             self.down[client.url] = time.monotonic()
@@ -77,11 +83,28 @@ class Router:
                 await self.recheck()
 
     async def _probe(self, client: ServerClient) -> None:
-        if await client.progressing(self.progress_timeout_s):
+        stalled = await self._stalled(client)
+        if stalled is None:
             return
-        self.mark_down(client, f"no progress for {self.progress_timeout_s}s with "
-                               f"{len(self._calls[client.url])} requests in flight")
-        self._cancel_calls(client.url, f"no progress for {self.progress_timeout_s}s: request moved")
+        self.mark_down(client, f"{stalled} with {len(self._calls[client.url])} requests in flight")
+        if self.any_up():             # else there is nowhere to move them: they wait where they are
+            self._cancel_calls(client.url, f"{stalled}: request moved")
+
+    async def _stalled(self, client: ServerClient) -> str | None:
+        """Why the server counts as stalled, or None while it makes progress: an engine step, or
+        CPU time off its HTTP thread (a step under way; answering probes is not in it)."""
+        now = time.monotonic()
+        seen = await client.progress(self.progress_timeout_s)
+        if seen is None:
+            return f"no answer within {self.progress_timeout_s}s"
+        steps, cpu_s = seen
+        last = self._seen.get(client.url)
+        if last is None or steps != last[0] or cpu_s - last[1] > 1e-3:
+            self._seen[client.url] = (steps, cpu_s, now)
+            return None
+        if now - last[2] >= self.progress_timeout_s:
+            return f"no step and no CPU time for {now - last[2]:.0f}s (hung)"
+        return None
 
     def _cancel_calls(self, url: str, why: str) -> None:
         self._evicted_why[url] = why
@@ -114,7 +137,7 @@ class Router:
     async def recheck(self) -> None:
         """Bring back servers that make progress again."""
         due = [c for c in self.clients if time.monotonic() - self.down.get(c.url, float("inf")) >= self.recheck_s]
-        for client, ok in zip(due, await asyncio.gather(*(c.progressing(self.progress_timeout_s) for c in due))):
+        for client, ok in zip(due, await asyncio.gather(*(c.steps_again(self.progress_timeout_s) for c in due))):
             if ok:
                 log.info("server %s is back", client.url)
                 self.down.pop(client.url, None)

@@ -621,7 +621,7 @@ def test_a_frozen_server_is_marked_down_and_its_requests_move(tiny_model, tokeni
                 await asyncio.sleep(0.05)
             os.kill(a.proc.pid, signal.SIGSTOP)
             try:
-                batches = [await asyncio.wait_for(m.next_batch(), 60) for _ in range(3)]
+                batches = [await asyncio.wait_for(m.next_batch(), 120) for _ in range(3)]
                 down = dict(m.router.down)
             finally:
                 os.kill(a.proc.pid, signal.SIGCONT)
@@ -687,3 +687,76 @@ def test_stop_does_not_wait_on_a_hung_server(tiny_model, tokenizer, tmp_path_fac
         srv.stop()
     assert state["groups"] and len(state["groups"]) == state["data"]["cursor"]
     assert all(s["status"] in ("pending", "partial") for g in state["groups"] for s in g["samples"])
+
+
+CPU_CGROUP = "/sys/fs/cgroup/cpu"
+
+
+def throttled(pid: int, quota_us: int, period_us: int = 1_000_000):
+    """Cap a process's CPU with a cgroup v1 `cpu` group of its own (quota per period); a context
+    manager that moves it back to the root group and removes the group."""
+    import contextlib
+    import uuid
+    path = f"{CPU_CGROUP}/riptide-test-{uuid.uuid4().hex[:8]}"
+
+    @contextlib.contextmanager
+    def cap():
+        os.mkdir(path)
+        try:
+            with open(f"{path}/cpu.cfs_period_us", "w") as f:
+                f.write(str(period_us))
+            with open(f"{path}/cpu.cfs_quota_us", "w") as f:
+                f.write(str(quota_us))
+            with open(f"{path}/cgroup.procs", "w") as f:
+                f.write(str(pid))
+            yield
+        finally:
+            with contextlib.suppress(OSError), open(f"{CPU_CGROUP}/cgroup.procs", "w") as f:
+                f.write(str(pid))
+            os.rmdir(path)
+    return cap()
+
+
+def cpu_cgroup_refused() -> str | None:
+    if os.geteuid() != 0 or not os.path.exists(f"{CPU_CGROUP}/cpu.cfs_quota_us"):
+        return f"needs root and a cgroup v1 cpu controller at {CPU_CGROUP} to slow a server down"
+    return None
+
+
+@pytest.mark.skipif(cpu_cgroup_refused() is not None, reason=cpu_cgroup_refused() or "")
+def test_a_slow_server_that_steps_keeps_its_requests(tmp_path_factory):
+    """One of two servers gets 5% of a core, as when a trainer shares its cores: its prefills of
+    long prompts take seconds, longer than progress_timeout_s, while it answers probes. It is not
+    marked down, no request moves and no token is wasted; a frozen server is still marked down
+    within seconds (test_a_frozen_server_is_marked_down_and_its_requests_move)."""
+    import httpx
+
+    from inference_server.tiny_model import build_tiny_model
+    model = str(build_tiny_model(tmp_path_factory.mktemp("slow"), hidden=256, layers=4, heads=4, kv_heads=2,
+                                 vocab=2000, max_positions=2048, seed=0))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    long_prompt = tokenizer.decode(tokenizer(" ".join(str(i % 97) for i in range(2000))).input_ids[:900])
+    data = PromptSource([{"prompt": f"{i} {long_prompt}", "answer": i} for i in range(50)], seed=0)
+    a, b = start_server(model, tmp_path_factory), start_server(model, tmp_path_factory)
+    try:
+        async def main():
+            m = manager([a.url, b.url], tokenizer, data=data, max_new_tokens=24, batch_size=2, oversample=1.0,
+                        max_staleness=8, group_filter="none",
+                        progress_timeout_s=2)
+            with throttled(a.proc.pid, quota_us=50_000):
+                await m.start()
+                batches = [await asyncio.wait_for(m.next_batch(), 120) for _ in range(3)]
+                stats = httpx.get(f"{a.url}/get_server_info", timeout=30).json()["stats"]
+            await m.stop()
+            return m, batches, stats
+        m, batches, stats = run(main())
+    finally:
+        a.stop()
+        b.stop()
+    print(f"throttled server: {stats['steps']} steps, {stats['prompt_tokens']} prompt tokens in "
+          f"{stats['busy_seconds']:.1f} s busy")
+    assert stats["prompt_tokens"] > 0, "the slow server took part"
+    assert m.metrics.retries == 0 and m.metrics.tokens_wasted == 0
+    assert not m.router.down
+    samples = [s for groups, _ in batches for g in groups for s in g.samples]
+    assert all(len(s.response_ids) == 24 for s in samples)

@@ -339,10 +339,16 @@ def test_reload_from_disk_bumps_version_and_keeps_requests(tiny_model, tiny_mode
         srv.stop()
 
 
-def test_api_key_guards_every_endpoint(tiny_model, tmp_path_factory):
-    srv = start_server(tiny_model, tmp_path_factory, "--api-key", "s3cret")
+def test_api_key_guards_every_endpoint_but_health(tiny_model, tmp_path_factory):
+    from inference_server.process import ServerProcess
+    srv = ServerProcess(tiny_model, args=["--context-length", "1024"], api_key="s3cret",
+                        log_path=tmp_path_factory.mktemp("logs") / "server.log").start()
     try:
+        assert "s3cret" not in " ".join(srv.proc.args), "the token is not on the command line"
+        assert httpx.get(f"{srv.url}/health").status_code == 200
         assert httpx.get(f"{srv.url}/get_model_info").status_code == 401
+        assert httpx.get(f"{srv.url}/progress").status_code == 401
+        assert httpx.post(f"{srv.url}/weight_sync/open", json={}).status_code == 401
         assert httpx.post(f"{srv.url}/generate", json={"text": "hi"}).status_code == 401
         ok = httpx.post(f"{srv.url}/generate", headers={"Authorization": "Bearer s3cret"},
                         json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
@@ -351,7 +357,7 @@ def test_api_key_guards_every_endpoint(tiny_model, tmp_path_factory):
         srv.stop()
 
 
-def test_admin_endpoints_refused_off_loopback_without_key(tiny_model):
+def test_every_endpoint_but_health_refused_off_loopback_without_key(tiny_model):
     from fastapi.testclient import TestClient
 
     from inference_server.engine import Engine, EngineArgs
@@ -359,6 +365,16 @@ def test_admin_endpoints_refused_off_loopback_without_key(tiny_model):
     app = create_app(Engine(EngineArgs(tiny_model, context_length=256)), tiny_model, host="0.0.0.0")
     with TestClient(app) as client:   # in-process: binds no port
         r = client.post("/update_weights_from_disk", json={"model_path": tiny_model})
-        assert r.status_code == 403 and "--api-key" in r.json()["error"]
+        assert r.status_code == 403 and "RIPTIDE_API_KEY" in r.json()["error"]
         assert client.post("/pause_generation", json={"mode": "abort"}).status_code == 403
+        assert client.post("/generate", json={"text": "hi"}).status_code == 403
         assert client.get("/health").status_code == 200
+
+
+def test_the_launcher_refuses_to_serve_off_loopback_without_a_key(tiny_model, monkeypatch):
+    from inference_server.launch import parse_args
+    monkeypatch.delenv("RIPTIDE_API_KEY", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--model-path", tiny_model, "--host", "0.0.0.0"])
+    monkeypatch.setenv("RIPTIDE_API_KEY", "s3cret")
+    assert parse_args(["--model-path", tiny_model, "--host", "0.0.0.0"]).api_key == "s3cret"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -104,6 +105,12 @@ class RolloutBackend:
         if cfg.server.context_length == 0:           # the model's own context
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(
                 cfg.server, context_length=model_context(cfg.model_path) or 2048))
+        if not cfg.server.urls:       # the servers this backend starts get one secret for this run
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(
+                cfg.server, api_key=cfg.server.token() or secrets.token_urlsafe(32)))
+        else:
+            cfg.server.validate()
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=cfg.server.token()))
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.items = items if items is not None else task_items(cfg.task, cfg.seed)

@@ -2,10 +2,14 @@
 only these dataclasses. Every field has its help text; `validate()` says what to change."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
+
+from inference_server.process import API_KEY_ENV, is_loopback
 
 from rollout.config import RolloutConfig
 from weight_sync.fanout import tree_parents
@@ -108,16 +112,28 @@ class ServerConfig:
     context_length: int = f(0, "tokens per sequence (prompt + response); 0: the model's max_position_embeddings")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
     dtype: str = f("auto", "auto | float32 | bfloat16 | float16")
-    api_key: str = f("", "bearer token for servers that require one")
+    api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run for "
+                         "the servers the job starts); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
 
+    def token(self) -> str:
+        """The fleet's bearer token: server.api_key, $RIPTIDE_API_KEY, or '' (the job makes one)."""
+        return self.api_key or os.environ.get(API_KEY_ENV, "")
+
     def problems(self) -> list[str]:
+        open_urls = [u for u in self.urls if not is_loopback(urlsplit(str(u)).hostname or "")]
         return failed([
+            (not open_urls or bool(self.token()),
+             f"server.urls={open_urls} are not on loopback and no token is set: every endpoint but /health of a "
+             f"server off loopback needs one; give server.api_key or set {API_KEY_ENV}"),
             (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
             (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0")])
+
+    def validate(self) -> None:
+        raise_problems(self.problems())
 
 
 @dataclass
@@ -321,6 +337,13 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
         super().__init__("\n".join(self.problems))
+
+
+def redacted(job: "JobConfig") -> "JobConfig":
+    """The job without its secret, for config.yaml, wandb and the other trainer ranks (which need none)."""
+    if not job.server.api_key:
+        return job
+    return dataclasses.replace(job, server=dataclasses.replace(job.server, api_key="<redacted>"))
 
 
 def failed(checks: list[tuple[bool, str]]) -> list[str]:

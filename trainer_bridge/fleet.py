@@ -38,8 +38,6 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
             "--weight-version", str(version), "--weight-sync-protocol", weight_sync.protocol]
     if weight_sync.device_name:
         args += ["--weight-sync-device", weight_sync.device_name]
-    if server.api_key:
-        args += ["--api-key", server.api_key]
     if peer:
         args += ["--weights-from-peer", peer]
     return args + cpu_share_args(share)
@@ -75,7 +73,7 @@ class LocalFleet:
         for _ in range(n):
             i = next(self._started)
             procs.append(ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{i}.log",
-                                       env=device_env(self.server.device, i)))
+                                       env=device_env(self.server.device, i), api_key=self.server.api_key or None))
         try:
             for p in procs:
                 p.spawn()

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from trainer_bridge.batch import TrainBatch
-from trainer_bridge.config import ConfigError, JobConfig
+from trainer_bridge.config import ConfigError, JobConfig, redacted
 from weight_sync.sharded import _receive, _send
 
 log = logging.getLogger(__name__)
@@ -114,13 +114,12 @@ def trainer_ranks(job: JobConfig):
         yield Lead(0, 1)
         return
     if job.cluster.kind == "ray":
-        from trainer_bridge.ray_fleet import RayRanks, connect
+        from trainer_bridge.ray_fleet import RayRanks, connect, node_address
         connect(job.cluster)
-        import ray
         from inference_server.process import free_port
-        master = ray.util.get_node_ip_address()
+        master = node_address()
         port = free_port(master)
-        ranks = RayRanks(job, k, master, port)
+        ranks = RayRanks(redacted(job), k, master, port)
     else:
         master = "127.0.0.1"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")        # one machine: the ranks talk over loopback
@@ -149,7 +148,7 @@ class _LocalRanks:
         logs = Path(job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         spec = logs / "trainer_job.pkl"
-        spec.write_bytes(pickle.dumps(job))
+        spec.write_bytes(pickle.dumps(redacted(job)))
         self.port = free_port()
         threads = str(max(1, usable_cores() // k))
         torch.set_num_threads(int(threads))

@@ -12,6 +12,7 @@ running `rollout.service.RolloutService` on the actor's event loop.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from pathlib import Path
 
@@ -30,24 +31,39 @@ log = logging.getLogger(__name__)
 
 def connect(cluster: ClusterConfig) -> None:
     """Join the cluster at `cluster.address`, or start a local one (on loopback when no address)."""
+    global _LOCAL
     if ray.is_initialized():
         return
+    _LOCAL = not cluster.address
     if cluster.address:
         ray.init(address=cluster.address, log_to_driver=False)
     else:
+        # Ray reads this at start: without it, a local cluster puts its nodes (and so the servers)
+        # on the machine's interface address even when asked for 127.0.0.1
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False)
+
+
+_LOCAL = False          # connect() started a cluster of this machine's own: everything stays on loopback
+
+
+def node_address() -> str:
+    """Where this node's processes listen and are reached: loopback in a local cluster (Ray may
+    name the machine's interface address there), else the address the node joined with."""
+    return "127.0.0.1" if _LOCAL else ray.util.get_node_ip_address()
 
 
 class ServerActor:
     """One inference server on this actor's node."""
 
-    def start(self, model_path: str, args: list[str], timeout_s: float) -> dict:
-        host = ray.util.get_node_ip_address()
+    def start(self, model_path: str, args: list[str], timeout_s: float, api_key: str | None = None,
+              host: str | None = None) -> dict:
+        host = host or ray.util.get_node_ip_address()
         log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
         log_dir.mkdir(exist_ok=True)
         port = free_port(host)
         self.server = ServerProcess(model_path, port=port, host=host, args=args + ["--weight-sync-host", host],
-                                    log_path=log_dir / f"server-{port}.log")
+                                    log_path=log_dir / f"server-{port}.log", api_key=api_key)
         self.server.start(timeout=timeout_s)
         return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
                 "pid": self.server.proc.pid}
@@ -118,7 +134,7 @@ class RayFleet:
         connect(cluster)
         self.model_path, self.server, self.weight_sync, self.cluster, self.seed = \
             model_path, server, weight_sync, cluster, seed
-        self.host = ray.util.get_node_ip_address()
+        self.host = node_address()
         self.replicas: dict[str, tuple] = {}      # url -> (actor, placement group, info)
 
     def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
@@ -130,7 +146,9 @@ class RayFleet:
                         self.cluster.placement_timeout_s)
             args = server_args(self.server, self.weight_sync, self.seed, version, peer, 1)
             actors = [in_bundle(ServerActor, bundle, g, 0).remote() for g in groups]
-            infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s) for a in actors],
+            loopback = "127.0.0.1" if _LOCAL else None
+            infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s,
+                                            self.server.api_key or None, loopback) for a in actors],
                             timeout=self.server.start_timeout_s + 30)
         except BaseException:
             for a in actors:

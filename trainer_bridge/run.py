@@ -17,7 +17,7 @@ from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
 from trainer_bridge.backend import BackendConfig, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
-from trainer_bridge.config import JobConfig, latest_checkpoint
+from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
 from trainer_bridge.monitor import Monitor
 from trainer_bridge.ranks import Lead, follow, trainer_ranks
 from trainer_bridge.trainer import GRPOTrainer
@@ -155,7 +155,7 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         saved_step = step
         return path
 
-    monitor = Monitor(job.logger, run_dir, dataclasses.asdict(job), job.trainer.steps, first_step)
+    monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
     watch = Watch(monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
     try:
@@ -218,7 +218,8 @@ def save_config(job: JobConfig, run_dir: Path) -> Path:
     from omegaconf import OmegaConf
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
-    path.write_text(OmegaConf.to_yaml(OmegaConf.create(json.loads(json.dumps(dataclasses.asdict(job), default=str)))))
+    fields = dataclasses.asdict(redacted(job))
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(json.loads(json.dumps(fields, default=str)))))
     return path
 
 

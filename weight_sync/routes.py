@@ -1,7 +1,7 @@
 """The /weight_sync/* endpoints a server mounts on its app, and its cold start from a live peer.
 
 `mount(app, receiver, ...)` adds them to any FastAPI app that runs `app.state.on_startup` /
-`app.state.on_shutdown` hooks and gates `app.state.admin_prefixes` (the inference server's does);
+`app.state.on_shutdown` hooks and gates every path by its bearer token (the inference server's does);
 the launcher wires the two packages together, so neither imports the other.
 """
 from __future__ import annotations
@@ -26,7 +26,6 @@ def mount(app: FastAPI, receiver: Receiver, api_key: str | None = None, weights_
           self_url: str | None = None) -> None:
     """`weights_from_peer`: this server starts without weights and asks that live peer to push
     them to `self_url`; it serves only once they landed (the app answers 503 until then)."""
-    app.state.admin_prefixes.append(PREFIX)
     app.state.cold_prefixes.append(PREFIX)          # reachable before the weights are in
     app.state.on_shutdown.append(receiver.close)
     if weights_from_peer:
