@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "pause and write into the live weights")
     p.add_argument("--weights-from-peer", default=None,
                    help="URL of a live server: start without reading weights from disk and pull them from it")
+    p.add_argument("--no-weights", action="store_true",
+                   help="start without reading weights (a host without the checkpoint's weights: --model-path then "
+                        "needs only the config and tokenizer) and serve once a push lands, e.g. the trainer's first")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers, so a killed one leaves no server)")
     p.add_argument("--log-level", default="warning")
@@ -122,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                                max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                                weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                                prefix_share=a.prefix_share,
-                               load_weights=a.weights_from_peer is None))
+                               load_weights=a.weights_from_peer is None and not a.no_weights))
     def make_transport() -> MooncakeTransport:
         platform.before_transport(engine.device)
         return MooncakeTransport(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)

@@ -82,9 +82,9 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 120.0) -> "ServerProcess":
+    def start(self, timeout: float = 120.0, cold_ok: bool = False) -> "ServerProcess":
         self.spawn()
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, cold_ok)
         return self
 
     def spawn(self) -> "ServerProcess":
@@ -97,14 +97,17 @@ class ServerProcess:
                                      env={**os.environ, **self.env}, start_new_session=True)
         return self
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:
+        """Until /health answers 200; with `cold_ok`, also 503 for want of weights (a server that
+        waits for a push: it is up, and the push comes after this returns)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server on port {self.port} exited with code {self.proc.returncode}"
                                    + (f"; see {self.log_path}" if self.log_path else ""))
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:      # /health needs no token
+                r = httpx.get(f"{self.url}/health", timeout=2)      # /health needs no token
+                if r.status_code == 200 or (cold_ok and r.status_code == 503 and "no weights" in r.text):
                     return
             except httpx.HTTPError:
                 pass

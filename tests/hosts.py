@@ -23,6 +23,7 @@ not when the machine does not allow it (for pytest.skip). Addresses must stay in
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import secrets
@@ -93,19 +94,38 @@ class Host:
         self.veth = veth            # root-namespace end of this host's veth pair
         self.private_dirs = list(private_dirs)
         self.procs: list[subprocess.Popen] = []
+        self._holder: subprocess.Popen | None = None     # holds the host's mount namespace
 
     def __repr__(self) -> str:
         return f"Host({self.name!r}, {self.addr!r})"
 
-    def command(self, argv: list[str]) -> list[str]:
-        """`argv` wrapped to run inside this host: its network namespace and, with private_dirs, a
-        private mount namespace with an empty tmpfs over each of those directories."""
+    def command(self, argv: list[str], cwd=None) -> list[str]:
+        """`argv` wrapped to run inside this host: its network namespace and, with private_dirs, the
+        host's mount namespace, where an empty tmpfs lies over each of those directories. Every
+        process of a host shares that one mount namespace (held by a sleeping process made on
+        first use), as processes of one machine share its disk."""
         cmd = ["ip", "netns", "exec", self.name]
         if self.private_dirs:
+            # entering a mount namespace moves to its root: keep the caller's directory
+            cmd += ["nsenter", "-t", str(self._mounts().pid), "-m", f"--wd={cwd or os.getcwd()}", "--"]
+        return cmd + [str(a) for a in argv]
+
+    def _mounts(self) -> subprocess.Popen:
+        if self._holder is None:
             mounts = " && ".join(f"mkdir -p {shlex.quote(d)} && mount -t tmpfs tmpfs {shlex.quote(d)}"
                                  for d in self.private_dirs)
-            cmd += ["unshare", "-m", "--propagation", "private", "sh", "-c", f'{mounts} && exec "$@"', "sh"]
-        return cmd + [str(a) for a in argv]
+            self._holder = subprocess.Popen(
+                ["ip", "netns", "exec", self.name, "unshare", "-m", "--propagation", "private", "sh", "-c",
+                 f"{mounts} && touch /tmp/.{self.name}-mounted; exec sleep infinity"],
+                stdin=subprocess.DEVNULL, start_new_session=True)
+            self.procs.append(self._holder)
+            # ready once its mounts are in place: a file it sees in its tmpfs-free /tmp, for root too
+            deadline = time.monotonic() + 10
+            while not os.path.exists(f"/tmp/.{self.name}-mounted") and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with contextlib.suppress(OSError):
+                os.unlink(f"/tmp/.{self.name}-mounted")
+        return self._holder
 
     @staticmethod
     def _env(env: dict | None) -> dict | None:
@@ -118,7 +138,7 @@ class Host:
         inherited). The process is remembered and killed by close()."""
         log = open(log_path, "ab") if log_path is not None else None
         try:
-            proc = subprocess.Popen(self.command(argv), env=self._env(env), cwd=cwd, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self.command(argv, cwd), env=self._env(env), cwd=cwd, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT if log else None,
                                     start_new_session=True)
         finally:
@@ -131,7 +151,7 @@ class Host:
                      input: str | None = None) -> str:
         """Run `argv` to completion inside this host; its stdout as text. Raises CalledProcessError on a
         non-zero exit (stderr attached) and TimeoutExpired after `timeout` s (its process group killed)."""
-        proc = subprocess.Popen(self.command(argv), env=self._env(env), cwd=cwd, text=True,
+        proc = subprocess.Popen(self.command(argv, cwd), env=self._env(env), cwd=cwd, text=True,
                                 stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         try:

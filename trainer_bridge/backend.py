@@ -136,7 +136,8 @@ class RolloutBackend:
         self.rollout = self._host()              # a rollout process starts while the servers do
         self.fleet = self._make_fleet()
         first = version - 1 if model is not None else version
-        self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first)
+        self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first,
+                                                                        pushed=model is not None)
         ws = self.cfg.weight_sync
         self.sync = WeightSync(self.servers, bucket_bytes=ws.bucket_mb << 20, num_slots=ws.num_slots,
                                timeout_s=ws.timeout_s, min_fraction=ws.min_fraction,

@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 class Fleet(Protocol):
     host: str                    # the trainer's routable address (its weight sender binds it)
 
-    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
         """Start n servers and return their URLs once they serve: with `peer`, each pulls that live
-        server's weights (cold start), else loads the checkpoint as `version`."""
+        server's weights (cold start), else loads the checkpoint as `version`. `pushed`: the caller
+        pushes weights next, so a server on a host without the checkpoint may start without them."""
 
     def stop(self, url: str) -> None:
         """Stop a server for good (killed, not asked): it never serves again."""
@@ -41,6 +42,16 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
     if peer:
         args += ["--weights-from-peer", peer]
     return args + cpu_share_args(share)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def model_files(path: str) -> dict[str, bytes]:
+    """A checkpoint's files but its weights (config, tokenizer, chat template): what a server on a
+    host without the checkpoint needs, sent along with its start; the weights come by a push."""
+    return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir())
+            if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)}
 
 
 def device_env(device: str, i: int) -> dict[str, str]:
@@ -67,7 +78,7 @@ class LocalFleet:
         self.procs: dict[str, ServerProcess] = {}
         self._started = itertools.count()
 
-    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
         args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers)
         procs = []
         for _ in range(n):

@@ -24,7 +24,7 @@ from platforms import server_bundle
 from inference_server.process import ServerProcess, free_port
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
-from trainer_bridge.fleet import server_args
+from trainer_bridge.fleet import model_files, server_args
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +57,29 @@ class ServerActor:
     """One inference server on this actor's node."""
 
     def start(self, model_path: str, args: list[str], timeout_s: float, api_key: str | None = None,
-              host: str | None = None) -> dict:
+              host: str | None = None, files: dict[str, bytes] | None = None, pushed: bool = False) -> dict:
+        """Start the server. A host that cannot read `model_path` (no shared filesystem) writes
+        `files` (the checkpoint's config and tokenizer) to a local directory and starts without
+        weights: a live peer (--weights-from-peer) or the trainer's next push brings them."""
         host = host or ray.util.get_node_ip_address()
         log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
         log_dir.mkdir(exist_ok=True)
+        cold = not (Path(model_path) / "config.json").is_file()
+        if cold:
+            if not files or not ("--weights-from-peer" in args or pushed):
+                raise RuntimeError(f"host {host} cannot read model.path={model_path!r} and no weights would reach it: "
+                                   f"put the checkpoint there, or start the job with a model to push")
+            model_path = tempfile.mkdtemp(prefix="riptide-model-")
+            for name, data in files.items():
+                (Path(model_path) / name).write_bytes(data)
+            if "--weights-from-peer" not in args:
+                args = args + ["--no-weights"]
         port = free_port(host)
         self.server = ServerProcess(model_path, port=port, host=host, args=args + ["--weight-sync-host", host],
                                     log_path=log_dir / f"server-{port}.log", api_key=api_key)
-        self.server.start(timeout=timeout_s)
+        self.server.start(timeout=timeout_s, cold_ok="--no-weights" in args)
         return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
-                "pid": self.server.proc.pid}
+                "pid": self.server.proc.pid, "cold": cold}
 
     def kill(self) -> None:
         self.server.kill()
@@ -137,7 +150,7 @@ class RayFleet:
         self.host = node_address()
         self.replicas: dict[str, tuple] = {}      # url -> (actor, placement group, info)
 
-    def launch(self, n: int, version: int, peer: str | None = None) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
         bundle = server_bundle(self.server.device, self.cluster.server_cpus, self.cluster.tensor_parallel)
         groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
         actors = []
@@ -147,8 +160,9 @@ class RayFleet:
             args = server_args(self.server, self.weight_sync, self.seed, version, peer, 1)
             actors = [in_bundle(ServerActor, bundle, g, 0).remote() for g in groups]
             loopback = "127.0.0.1" if _LOCAL else None
+            files = ray.put(model_files(self.model_path))
             infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s,
-                                            self.server.api_key or None, loopback) for a in actors],
+                                            self.server.api_key or None, loopback, files, pushed) for a in actors],
                             timeout=self.server.start_timeout_s + 30)
         except BaseException:
             for a in actors:

@@ -1,0 +1,110 @@
+"""A job across real hosts: three network namespaces with their own addresses (tests/hosts.py), Ray
+started in each with the `ray` command as the README says, the checkpoint and the run directory only
+on the trainer's host. Skipped with the reason where the machine refuses namespaces."""
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.hosts import Hosts, namespaces_refused
+
+pytestmark = pytest.mark.skipif(namespaces_refused() is not None, reason=namespaces_refused() or "")
+
+BIN = Path(sys.executable).parent
+HEAD_PORT = 6379
+# conftest keeps loopback test clusters on 127.0.0.1 with this; hosts with addresses of their own need Ray's
+# default. Ray's token auth on, with one token shared by every node and the job, as the README says.
+REAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = check()
+        if out:
+            return out
+        time.sleep(every_s)
+    raise TimeoutError(f"{what} within {timeout_s}s")
+
+
+class RayHosts:
+    """Host 0 (the trainer's) is the head with no CPUs for actors; every other host a worker with
+    one CPU (one server each). Started with `ray start --block`, so the harness owns the processes."""
+
+    def __init__(self, hosts: Hosts, logs: Path):
+        self.hosts, self.head = hosts, f"{hosts[0].addr}:{HEAD_PORT}"
+        common = ["--block", "--disable-usage-stats"]
+        hosts[0].run([str(BIN / "ray"), "start", "--head", f"--port={HEAD_PORT}", f"--node-ip-address={hosts[0].addr}",
+                      "--num-cpus=0", "--include-dashboard=false", *common], env=REAL, log_path=str(logs / "ray-head.log"))
+        wait_for("the head answers", lambda: self._nodes() >= 1, 90)
+        for i, h in enumerate(hosts.hosts[1:], 1):
+            h.run([str(BIN / "ray"), "start", f"--address={self.head}", f"--node-ip-address={h.addr}",
+                   "--num-cpus=1", *common], env=REAL, log_path=str(logs / f"ray-worker{i}.log"))
+        wait_for(f"{len(hosts)} Ray nodes", lambda: self._nodes() >= len(hosts), 120)
+
+    def _nodes(self) -> int:
+        code = (f"import ray; ray.init(address='{self.head}', log_to_driver=False); "
+                f"print(sum(n['Alive'] for n in ray.nodes()))")
+        try:
+            out = self.hosts[0].check_output([sys.executable, "-c", code], timeout=60, env=REAL)
+            return int(out.strip().splitlines()[-1])
+        except Exception:       # noqa: BLE001  not up yet
+            return 0
+
+
+@pytest.fixture(scope="module")
+def ray_hosts(tmp_path_factory):
+    """3 hosts; `data` holds the model and the runs, seen by host 0 only."""
+    data = tmp_path_factory.mktemp("hostdata")
+    logs = tmp_path_factory.mktemp("hostlogs")
+    # each host its own /tmp/ray (Ray's sockets and session) and /dev/shm (its object store), as real hosts have
+    with Hosts(3, private_dirs=[str(data), "/tmp/ray", "/dev/shm"]) as hosts:
+        hosts[0].private_dirs = ["/tmp/ray", "/dev/shm"]    # the trainer's host has the checkpoint
+        yield RayHosts(hosts, logs), hosts, data, logs
+
+
+def server_urls(run_dir: Path) -> list[str]:
+    """The servers a running job uses, from its metrics rows (fleet/tokens_per_s/<host:port>)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    urls = set()
+    for line in path.read_text().splitlines():
+        urls |= {k.split("/", 2)[2] for k in json.loads(line) if k.startswith("fleet/tokens_per_s/")}
+    return sorted(f"http://{u}" for u in urls)
+
+
+def stranger_status(host, url: str, path: str) -> int:
+    code = (f"import httpx; print(httpx.request('{'GET' if path == '/health' else 'POST'}', '{url}{path}', "
+            f"json={{'text': 'hi'}}, timeout=20).status_code)")
+    return int(host.check_output([sys.executable, "-c", code], timeout=60).strip().splitlines()[-1])
+
+
+def test_a_job_across_three_hosts_with_the_model_only_on_the_trainers(ray_hosts):
+    """The README's command in the head host: 2 servers on 2 other hosts that cannot read
+    model.path get the config and tokenizer from the job and the weights by its push; a stranger on
+    the network is refused; checkpoints and metrics are on the trainer's host."""
+    cluster, hosts, data, logs = ray_hosts
+    run_dir = data / "run-basic"
+    assert hosts[1].check_output(["ls", "-A", str(data)]) == "", "a server's host sees none of the trainer's files"
+    job = hosts[0].run([str(BIN / "riptide-train"), "cluster=ray", f"cluster.address={cluster.head}",
+                        "server.num_servers=2", "trainer.steps=8", "trainer.checkpoint_every=4", "logger.wandb=false",
+                        f"model.path={data}/model", f"run_dir={run_dir}", "logger.progress=false"],
+                       env=REAL, log_path=str(logs / "job-basic.log"), cwd=str(data))
+    try:
+        urls = wait_for("the first metrics row", lambda: server_urls(run_dir), 300)
+        stranger = {u: (stranger_status(hosts[2], u, "/generate"), stranger_status(hosts[2], u, "/health"))
+                    for u in urls}
+        assert job.wait(timeout=600) == 0, (logs / "job-basic.log").read_text()[-3000:]
+    finally:
+        hosts[0].stop(job)
+    summary = json.loads((logs / "job-basic.log").read_text().strip().splitlines()[-1])
+    assert summary["steps"] == 8
+    assert {u.split("//")[1].split(":")[0] for u in urls} == {hosts[1].addr, hosts[2].addr}
+    assert all(s == (401, 200) for s in stranger.values()), stranger
+    assert (run_dir / "checkpoints").is_dir() and sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    config = (run_dir / "config.yaml").read_text()
+    assert "api_key: ''" in config or "<redacted>" in config
