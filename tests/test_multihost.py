@@ -77,6 +77,10 @@ def server_urls(run_dir: Path) -> list[str]:
     return sorted(f"http://{u}" for u in urls)
 
 
+def server_urls_of(row: dict) -> list[str]:
+    return [f"http://{k.split('/', 2)[2]}" for k in row if k.startswith("fleet/tokens_per_s/")]
+
+
 def stranger_status(host, url: str, path: str) -> int:
     code = (f"import httpx; print(httpx.request('{'GET' if path == '/health' else 'POST'}', '{url}{path}', "
             f"json={{'text': 'hi'}}, timeout=20).status_code)")
@@ -108,3 +112,60 @@ def test_a_job_across_three_hosts_with_the_model_only_on_the_trainers(ray_hosts)
     assert (run_dir / "checkpoints").is_dir() and sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     config = (run_dir / "config.yaml").read_text()
     assert "api_key: ''" in config or "<redacted>" in config
+
+
+def rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def answers(host, url: str) -> bool:
+    code = (f"import httpx\ntry:\n    httpx.get('{url}/health', timeout=3); print(1)\n"
+            f"except httpx.HTTPError:\n    print(0)")
+    return host.check_output([sys.executable, "-c", code], timeout=30).strip().endswith("1")
+
+
+@pytest.fixture(scope="module")
+def four_hosts(tmp_path_factory):
+    """The trainer's host and three server hosts (two serve, one is room for a replacement)."""
+    data, logs = tmp_path_factory.mktemp("hostdata4"), tmp_path_factory.mktemp("hostlogs4")
+    with Hosts(4, prefix="rq", private_dirs=[str(data), "/tmp/ray", "/dev/shm"]) as hosts:
+        hosts[0].private_dirs = ["/tmp/ray", "/dev/shm"]
+        yield RayHosts(hosts, logs), hosts, data, logs
+
+
+def test_a_link_cut_mid_rollout_evicts_the_server_and_its_replacement_serves(four_hosts):
+    """A server's host loses its link while it generates: the router marks it down within
+    progress_timeout_s and its requests move; the next push leaves it out (evicted, no hop timeout
+    waited); a replacement starts on the spare host from a live peer and takes requests; the job
+    completes every step. The link comes back: the evicted server never serves again."""
+    cluster, hosts, data, logs = four_hosts
+    run_dir, log = data / "run-cut", logs / "job-cut.log"
+    job = hosts[0].run([str(BIN / "riptide-train"), "cluster=ray", f"cluster.address={cluster.head}",
+                        "server.num_servers=2", "trainer.steps=60", "logger.wandb=false", "logger.progress=false",
+                        "weight_sync.timeout_s=10", f"model.path={data}/model", f"run_dir={run_dir}"],
+                       env=REAL, log_path=str(log), cwd=str(data))
+    try:
+        wait_for("two metrics rows", lambda: len(rows(run_dir)) >= 2, 300, every_s=0.2)
+        urls = server_urls(run_dir)
+        victim_url = urls[1]
+        victim = next(h for h in hosts if victim_url.split("//")[1].startswith(h.addr + ":"))
+        cut_at = time.time()
+        victim.cut()
+        evicted = wait_for("an eviction", lambda: [r for r in rows(run_dir) if r["fleet/evictions"]], 120, 0.2)[0]
+        victim.restore()
+        restored_at = time.time()
+        joined = wait_for("a replacement", lambda: [r for r in rows(run_dir) if r["fleet/replacements"]], 180, 0.2)[0]
+        gone = wait_for("the evicted server gone", lambda: not answers(hosts[0], victim_url), 120, 1.0)
+        gone_s = time.time() - restored_at
+        assert job.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        hosts[0].stop(job)
+    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    last = rows(run_dir)[-1]
+    evict_s, serve_s = evicted["fleet/last_eviction_at"] - cut_at, joined["fleet/last_join_at"] - cut_at
+    print(f"link cut -> evicted {evict_s:.1f} s, -> replacement serving {serve_s:.1f} s; "
+          f"link restored -> evicted server gone {gone_s:.1f} s")
+    assert summary["steps"] == 60 and gone
+    assert last["fleet/servers"] == 2 and victim_url not in server_urls_of(last)
+    assert evict_s < 60 and serve_s < 120

@@ -97,6 +97,8 @@ class FleetStats:
     evictions: int = 0
     replacements: int = 0
     last_replace_s: float = 0.0          # from an eviction to its replacement taking requests
+    last_eviction_at: float = 0.0        # wall clock (time.time()) of the last eviction
+    last_join_at: float = 0.0            # wall clock of the last replacement taking requests
 
 
 class RolloutBackend:
@@ -164,6 +166,9 @@ class RolloutBackend:
             rewards = rewards + penalty
             metrics = {**metrics, "overlong_penalty_mean": float(penalty.mean())}
         advantages = grpo.group_advantages(rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
+        # tokens/s of the members only: an evicted server is gone from the rows
+        metrics["tokens_per_s_by_server"] = {u: v for u, v in metrics.get("tokens_per_s_by_server", {}).items()
+                                             if u in self.servers}
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
                           advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
 
@@ -175,6 +180,7 @@ class RolloutBackend:
         `weight_sync.sharded.push_sharded(model, version)`: each rank writes the shard it holds,
         and no rank gathers the model."""
         self._admit()
+        self._evict_down()
         stats = self._push(model, version)
         self.version = version
         for url in list(stats.dropped) + [u for u in stats.pending if self._dead(u)]:
@@ -221,7 +227,8 @@ class RolloutBackend:
 
     def fleet_metrics(self) -> dict:
         return {"fleet/servers": len(self.servers), "fleet/evictions": self.stats.evictions,
-                "fleet/replacements": self.stats.replacements, "fleet/last_replace_s": self.stats.last_replace_s}
+                "fleet/replacements": self.stats.replacements, "fleet/last_replace_s": self.stats.last_replace_s,
+                "fleet/last_eviction_at": self.stats.last_eviction_at, "fleet/last_join_at": self.stats.last_join_at}
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -253,11 +260,20 @@ class RolloutBackend:
         self.rollout.call("remove_server", url)
         self.fleet.stop(url)
         self.stats.evictions += 1
+        self.stats.last_eviction_at = time.time()
         if replace and self.servers:
             since = time.monotonic()
             worker = threading.Thread(target=self._replace, args=(since,), name="fleet-replace", daemon=True)
             self._workers.append(worker)
             worker.start()
+
+    def _evict_down(self) -> None:
+        """Servers the router has marked down (no answer, or no progress, for progress_timeout_s:
+        a lost host, a cut link, a frozen process) leave before the push rather than cost it a hop
+        timeout; one server always stays."""
+        down = [u for u in self.rollout.call("status")["down"] if u in self.servers]
+        for url in down[:len(self.servers) - 1]:
+            self._evict(url, replace=self.cfg.cluster.replace_evicted)
 
     def _replace(self, since: float) -> None:
         try:
@@ -283,6 +299,7 @@ class RolloutBackend:
                 self.servers.append(url)
                 self.stats.replacements += 1
                 self.stats.last_replace_s = time.monotonic() - since
+                self.stats.last_join_at = time.time()
                 log.info("%s joined the fleet at version %d", url, self.version)
 
     def _version_of(self, url: str) -> int | None:

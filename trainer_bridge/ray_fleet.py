@@ -179,8 +179,8 @@ class RayFleet:
         if actor is None:
             return
         try:
-            ray.get(actor.kill.remote(), timeout=10)
-        except ray.exceptions.RayError as e:     # its node is gone, or the actor with it
+            ray.get(actor.kill.remote(), timeout=3)
+        except ray.exceptions.RayError as e:     # its node is gone or cut off (it dies with the node), or the actor
             log.info("server %s already gone: %s", url, type(e).__name__)
         ray.kill(actor)
         remove_placement_group(group)
