@@ -20,6 +20,16 @@ nodes of 2 CPUs, all on 127.0.0.1), one tiny random Qwen2 (built into a temp dir
 
 Logs go to stderr; the last line is one JSON object: relay_egress_ratio_n4, star_egress_ratio_n4,
 push_s ({mode: {N: seconds}}), commit_s, egress_ratio, replace_s, samples_lost, samples_duplicated.
+
+    python bench/fleet.py --hosts [--rate-mbit 200] [--sizes 1,2,4] [--pushes 3]
+
+The relay fan-out physically: hosts with their own addresses and links (network namespaces on a
+bridge, tests/hosts.py; needs root), the trainer on one, a server on each of 4 others
+(riptide-serve with a bearer token), every host's link capped at --rate-mbit in both directions
+(tc tbf). The pushes run on the trainer's host: for each N and topology (star, tree with fan-out 2,
+chain), the median push time of --pushes pushes, the model verified on every server after each
+topology. Printed: hosts_star_push_ratio_n4, hosts_tree_push_ratio_n4, hosts_chain_push_ratio_n4
+(push seconds at 4 servers over 1), push_s per topology and N, rate_mbit, model_bytes, verified.
 """
 from __future__ import annotations
 
@@ -136,13 +146,128 @@ def death(cfg, model) -> dict:
             "evictions": b.stats.evictions}
 
 
+TOPOLOGIES = ("star", "tree", "chain")
+
+
+def host_pushes(a, urls: list[str], host: str) -> dict:
+    """On the trainer's host (--hosts-driver): every topology and N, timed; digests checked."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from weight_sync import live_digest, named_weights
+    from weight_sync.sender import WeightSync
+    token = os.environ["RIPTIDE_API_KEY"]
+    params = named_weights(AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32))
+    sizes = [int(x) for x in a.sizes.split(",")]
+    out = {"model_bytes": sum(t.nbytes for t in params.values()), "push_s": {}, "verified": True}
+    version = 0
+    for topology in TOPOLOGIES:
+        for n in sizes:
+            sync = WeightSync(urls[:n], bucket_bytes=a.bucket_mb << 20, num_slots=a.num_slots, timeout_s=60,
+                              topology=topology, host=host, api_key=token)
+            runs = []
+            try:
+                for _ in range(a.pushes + 1):          # the first allocates slots and shadows: untimed
+                    with torch.no_grad():
+                        for t in params.values():
+                            t.view(-1)[version % t.numel()] += 1e-3
+                    version += 1
+                    runs.append(sync.push(params, version).seconds)
+            finally:
+                sync.close()
+            out["push_s"].setdefault(topology, {})[n] = round(statistics.median(runs[1:]), 3)
+            want = live_digest(params)
+            got = [httpx.get(f"{u}/weight_sync/digest", timeout=60, headers={"Authorization": f"Bearer {token}"}
+                             ).json()["digest"] for u in urls[:n]]
+            out["verified"] &= all(g == want for g in got)
+            log(f"{topology} N={n}: push {out['push_s'][topology][n]} s, verified {all(g == want for g in got)}")
+    return out
+
+
+def hosts_bench(a) -> dict:
+    """Hosts as network namespaces: the trainer on host 0, a server on each other host, links capped."""
+    import secrets
+    import subprocess
+
+    from tests.hosts import Hosts, namespaces_refused
+    refused = namespaces_refused()
+    if refused:
+        raise SystemExit(f"bench/fleet.py --hosts: {refused}")
+    from inference_server.tiny_model import build_tiny_model
+    sizes = [int(x) for x in a.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="riptide_fleet_hosts_"))
+    path = str(build_tiny_model(root / "model", hidden=a.hidden, layers=a.layers, heads=6, kv_heads=2,
+                                tokenizer="chars", max_positions=512))
+    token = secrets.token_urlsafe(24)
+    with Hosts(max(sizes) + 1, prefix="rb") as hosts:
+        urls = []
+        for i, h in enumerate(hosts.hosts[1:]):
+            h.run([sys.executable, "-m", "inference_server", "--model-path", path, "--host", h.addr, "--port", "30000",
+                   "--context-length", "256", "--cpu-threads", "1", "--no-cpu-split"],
+                  env={"RIPTIDE_API_KEY": token}, log_path=str(root / f"server{i}.log"))
+            urls.append(f"http://{h.addr}:30000")
+        for h in hosts:
+            h.cap(a.rate_mbit)
+        log(f"{len(urls)} servers on {[h.addr for h in hosts.hosts[1:]]}, links capped at {a.rate_mbit} Mbit/s")
+        driver = [sys.executable, str(Path(__file__).resolve()), "--hosts-driver", "--model", path, "--sizes", a.sizes,
+                  "--pushes", str(a.pushes), "--host", hosts[0].addr, "--urls", ",".join(urls),
+                  "--bucket-mb", str(a.bucket_mb), "--num-slots", str(a.num_slots)]
+        try:
+            out = hosts[0].check_output(driver, timeout=1800, env={"RIPTIDE_API_KEY": token})
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"the push driver failed: {e.stderr[-3000:]}") from None
+    out = json.loads(out.strip().splitlines()[-1])
+    big = max(sizes)
+    ratios = {f"hosts_{t}_push_ratio_n{big}": round(out["push_s"][t][str(big)] / out["push_s"][t][str(min(sizes))], 3)
+              for t in TOPOLOGIES}
+    return {**ratios, "rate_mbit": a.rate_mbit, "bucket_mb": a.bucket_mb, "num_slots": a.num_slots, **out}
+
+
+def wait_served(urls: list[str], token: str, timeout_s: float = 180) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} did not come up within {timeout_s}s")
+            time.sleep(0.3)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1,2,4")
     p.add_argument("--pushes", type=int, default=3)
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hosts", action="store_true", help="hosts of their own (network namespaces), links capped")
+    p.add_argument("--rate-mbit", type=float, default=200.0, help="--hosts: every host's link, each direction")
+    p.add_argument("--bucket-mb", type=int, default=2, help="--hosts: bucket size")
+    p.add_argument("--num-slots", type=int, default=4, help="--hosts: staging slots per receiver")
+    p.add_argument("--hosts-driver", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--host", help=argparse.SUPPRESS)
+    p.add_argument("--urls", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.hosts_driver:
+        import logging
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        urls = a.urls.split(",")
+        wait_served(urls, os.environ["RIPTIDE_API_KEY"])
+        out = host_pushes(a, urls, a.host)
+        sys.stderr.flush()
+        print(json.dumps(out), flush=True)
+        return
+    if a.hosts:
+        out = hosts_bench(a)
+        sys.stderr.flush()
+        print(json.dumps(out), flush=True)
+        return
     sizes = [int(x) for x in a.sizes.split(",")]
     if min(sizes) < 1 or max(sizes) > 6:
         p.error(f"--sizes {a.sizes}: between 1 and 6 servers (3 nodes of 2 CPUs, 0.5 CPU a server)")
