@@ -23,7 +23,8 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	@# -rs: every skipped test says why (no GPU, no namespaces, an integration not installed)
+	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m trainer_bridge.train $(DEMO_ARGS)

@@ -125,9 +125,10 @@ def answers(host, url: str) -> bool:
     return host.check_output([sys.executable, "-c", code], timeout=30).strip().endswith("1")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def four_hosts(tmp_path_factory):
-    """The trainer's host and three server hosts (two serve, one is room for a replacement)."""
+    """The trainer's host and three server hosts (two serve, one is room for a replacement); anew
+    for each test, since a host whose link was cut loses its Ray node."""
     data, logs = tmp_path_factory.mktemp("hostdata4"), tmp_path_factory.mktemp("hostlogs4")
     with Hosts(4, prefix="rq", private_dirs=[str(data), "/tmp/ray", "/dev/shm"]) as hosts:
         hosts[0].private_dirs = ["/tmp/ray", "/dev/shm"]
@@ -169,3 +170,46 @@ def test_a_link_cut_mid_rollout_evicts_the_server_and_its_replacement_serves(fou
     assert summary["steps"] == 60 and gone
     assert last["fleet/servers"] == 2 and victim_url not in server_urls_of(last)
     assert evict_s < 60 and serve_s < 120
+
+
+def in_push(host, url: str, token: str, timeout_s: float) -> None:
+    """Return once the server at `url` has an update open (a push under way)."""
+    code = (f"import httpx, time\nend = time.monotonic() + {timeout_s}\n"
+            f"while time.monotonic() < end:\n"
+            f"    s = httpx.get('{url}/weight_sync/status', headers={{'Authorization': 'Bearer {token}'}}, timeout=5).json()\n"
+            f"    if s['stage'] in ('open', 'staged'):\n        print('in push', s); break\n"
+            f"    time.sleep(0.05)\nelse:\n    raise SystemExit('no push seen')")
+    host.check_output([sys.executable, "-c", code], timeout=timeout_s + 30)
+
+
+def test_a_link_cut_mid_push_to_the_relaying_server(four_hosts):
+    """Tree topology: the trainer writes each bucket to the first server, which relays it to the
+    second. The first server's link (capped so a push takes seconds) is cut while a push is under
+    way: the push drops it within the hop timeout, naming it, feeds the second server itself and
+    commits there; the first is evicted and replaced; the job completes."""
+    cluster, hosts, data, logs = four_hosts
+    run_dir, log, token = data / "run-push", logs / "job-push.log", secrets.token_urlsafe(16)
+    job = hosts[0].run([str(BIN / "riptide-train"), "cluster=ray", f"cluster.address={cluster.head}",
+                        "server.num_servers=2", "trainer.steps=60", "logger.wandb=false", "logger.progress=false",
+                        "weight_sync.timeout_s=10", "weight_sync.topology=tree", "weight_sync.bucket_mb=1",
+                        f"model.path={data}/model", f"run_dir={run_dir}"],
+                       env={**REAL, "RIPTIDE_API_KEY": token}, log_path=str(log), cwd=str(data))
+    try:
+        wait_for("two metrics rows", lambda: len(rows(run_dir)) >= 2, 300, every_s=0.2)
+        relay_url = server_urls(run_dir)[0]
+        relay = next(h for h in hosts if relay_url.split("//")[1].startswith(h.addr + ":"))
+        relay.cap(2)                       # ~1.5 MB a push: several seconds on this link
+        in_push(hosts[0], relay_url, token, 120)
+        cut_at = time.time()
+        relay.cut()
+        evicted = wait_for("an eviction", lambda: [r for r in rows(run_dir) if r["fleet/evictions"]], 120, 0.2)[0]
+        joined = wait_for("a replacement", lambda: [r for r in rows(run_dir) if r["fleet/replacements"]], 180, 0.2)[0]
+        assert job.wait(timeout=600) == 0, log.read_text()[-3000:]
+    finally:
+        hosts[0].stop(job)
+    text = log.read_text()
+    evict_s, serve_s = evicted["fleet/last_eviction_at"] - cut_at, joined["fleet/last_join_at"] - cut_at
+    print(f"link cut mid-push -> evicted {evict_s:.1f} s, -> replacement serving {serve_s:.1f} s")
+    assert f"dropping {relay_url}" in text, "the push names the server it dropped"
+    assert json.loads(text.strip().splitlines()[-1])["steps"] == 60
+    assert evict_s < 60 and relay_url not in server_urls_of(rows(run_dir)[-1])
