@@ -224,7 +224,7 @@ def hosts_bench(a) -> dict:
     return {**ratios, "rate_mbit": a.rate_mbit, "bucket_mb": a.bucket_mb, "num_slots": a.num_slots, **out}
 
 
-def wait_served(urls: list[str], token: str, timeout_s: float = 180) -> None:
+def wait_served(urls: list[str], timeout_s: float = 180) -> None:
     import httpx
     deadline = time.monotonic() + timeout_s
     for url in urls:
@@ -258,7 +258,7 @@ def main() -> None:
         import logging
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         urls = a.urls.split(",")
-        wait_served(urls, os.environ["RIPTIDE_API_KEY"])
+        wait_served(urls)
         out = host_pushes(a, urls, a.host)
         sys.stderr.flush()
         print(json.dumps(out), flush=True)

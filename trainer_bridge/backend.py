@@ -107,12 +107,9 @@ class RolloutBackend:
         if cfg.server.context_length == 0:           # the model's own context
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(
                 cfg.server, context_length=model_context(cfg.model_path) or 2048))
-        if not cfg.server.urls:       # the servers this backend starts get one secret for this run
-            cfg = dataclasses.replace(cfg, server=dataclasses.replace(
-                cfg.server, api_key=cfg.server.token() or secrets.token_urlsafe(32)))
-        else:
-            cfg.server.validate()
-            cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=cfg.server.token()))
+        if cfg.server.urls:
+            cfg.server.validate()            # attached servers off loopback need a token
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=cfg.server.token()))
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
         self.items = items if items is not None else task_items(cfg.task, cfg.seed)
@@ -137,6 +134,11 @@ class RolloutBackend:
         from weight_sync.sender import WeightSync
         self.rollout = self._host()              # a rollout process starts while the servers do
         self.fleet = self._make_fleet()
+        if not self.cfg.server.urls and not self.cfg.server.api_key and not self.fleet.loopback():
+            # servers off loopback: one secret for this run, unless one was given
+            self.cfg = dataclasses.replace(self.cfg, server=dataclasses.replace(
+                self.cfg.server, api_key=secrets.token_urlsafe(32)))
+            self.fleet.server = self.cfg.server
         first = version - 1 if model is not None else version
         self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first,
                                                                         pushed=model is not None)

@@ -112,8 +112,8 @@ class ServerConfig:
     context_length: int = f(0, "tokens per sequence (prompt + response); 0: the model's max_position_embeddings")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
     dtype: str = f("auto", "auto | float32 | bfloat16 | float16")
-    api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run for "
-                         "the servers the job starts); never written to config.yaml, wandb or a command line")
+    api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
+                         "the job starts servers off loopback); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
 
     def token(self) -> str:

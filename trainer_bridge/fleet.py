@@ -26,6 +26,9 @@ class Fleet(Protocol):
         server's weights (cold start), else loads the checkpoint as `version`. `pushed`: the caller
         pushes weights next, so a server on a host without the checkpoint may start without them."""
 
+    def loopback(self) -> bool:
+        """Every server it starts listens on loopback (no token needed there)."""
+
     def stop(self, url: str) -> None:
         """Stop a server for good (killed, not asked): it never serves again."""
 
@@ -95,6 +98,9 @@ class LocalFleet:
             raise
         self.procs.update({p.url: p for p in procs})
         return [p.url for p in procs]
+
+    def loopback(self) -> bool:
+        return True
 
     def stop(self, url: str) -> None:
         proc = self.procs.pop(url, None)

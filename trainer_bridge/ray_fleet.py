@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from platforms import server_bundle
-from inference_server.process import ServerProcess, free_port
+from inference_server.process import ServerProcess, free_port, is_loopback
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
 from trainer_bridge.fleet import model_files, server_args
@@ -173,6 +173,9 @@ class RayFleet:
         for a, g, info in zip(actors, groups, infos):
             self.replicas[info["url"]] = (a, g, info)
         return [info["url"] for info in infos]
+
+    def loopback(self) -> bool:
+        return all(is_loopback(n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"])
 
     def stop(self, url: str) -> None:
         actor, group, _ = self.replicas.pop(url, (None, None, None))
