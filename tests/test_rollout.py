@@ -741,8 +741,8 @@ def test_a_slow_server_that_steps_keeps_its_requests(tmp_path_factory):
     try:
         async def main():
             m = manager([a.url, b.url], tokenizer, data=data, max_new_tokens=24, batch_size=2, oversample=1.0,
-                        max_staleness=8, group_filter="none",
-                        progress_timeout_s=2)
+                        max_staleness=8, progress_timeout_s=2)
+            m.group_filter = keep_all          # every token generated is trained: none counts as wasted by a filter
             with throttled(a.proc.pid, quota_us=50_000):
                 await m.start()
                 batches = [await asyncio.wait_for(m.next_batch(), 120) for _ in range(3)]
