@@ -17,7 +17,9 @@ BIN = Path(sys.executable).parent
 HEAD_PORT = 6379
 # conftest keeps loopback test clusters on 127.0.0.1 with this; hosts with addresses of their own need Ray's
 # default. Ray's token auth on, with one token shared by every node and the job, as the README says.
-REAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+# Trainer ranks meet over gloo on the hosts' own interface (eth0 in tests/hosts.py).
+REAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+        "GLOO_SOCKET_IFNAME": "eth0"}
 
 
 def wait_for(what: str, check, timeout_s: float, every_s: float = 1.0):
@@ -112,6 +114,34 @@ def test_a_job_across_three_hosts_with_the_model_only_on_the_trainers(ray_hosts)
     assert (run_dir / "checkpoints").is_dir() and sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     config = (run_dir / "config.yaml").read_text()
     assert "api_key: ''" in config or "<redacted>" in config
+
+
+def test_two_trainer_ranks_across_hosts_save_and_resume(ray_hosts):
+    """trainer.world_size=2: rank 1 is a Ray actor on a host that sees neither model.path nor
+    run_dir. It builds the model from the config rank 0 sends and takes rank 0's weights; it pushes
+    its own shard into the server; checkpoints are gathered to rank 0's host (the ranks share no
+    filesystem), and the job resumes from one on two ranks again."""
+    import torch
+    cluster, hosts, data, logs = ray_hosts
+    run_dir = data / "run-ranks"
+    job = [str(BIN / "riptide-train"), "cluster=ray", f"cluster.address={cluster.head}", "server.num_servers=1",
+           "trainer.world_size=2", "trainer.checkpoint_every=2", "logger.wandb=false", "logger.progress=false",
+           f"model.path={data}/model", f"run_dir={run_dir}"]
+    for i, extra in enumerate((["trainer.steps=4"], ["trainer.steps=6", "trainer.resume=latest"])):
+        log = logs / f"job-ranks{i}.log"
+        proc = hosts[0].run(job + extra, env=REAL, log_path=str(log), cwd=str(data))
+        try:
+            assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+        finally:
+            hosts[0].stop(proc)
+        if i == 0:
+            state = torch.load(run_dir / "checkpoints" / "step-000004" / "trainer_state.pt", weights_only=False)
+            assert "optimizer_by_name" in state, "no shared filesystem: the optimizer is gathered to rank 0"
+    summary = json.loads(log.read_text().strip().splitlines()[-1])
+    assert summary["first_step"] == 4 and summary["steps"] == 6
+    steps = [r["step"] for r in rows(run_dir)]
+    assert steps == list(range(6)), steps
+    assert rows(run_dir)[-1]["sync/egress_bytes/rank1"] > 0, "rank 1 wrote its own shard from its host"
 
 
 def rows(run_dir: Path) -> list[dict]:

@@ -322,7 +322,9 @@ class JobConfig:
             problem = ranks_problem(self.trainer.device, self.trainer.world_size)
             if problem:
                 out.append(problem)
-        for problem in (resume_problem(self.trainer.resume, Path(self.run_dir)),
+        # rank 0 finds the checkpoint and tells the others (their hosts may not see run_dir)
+        follower = os.environ.get("RANK", "0") != "0"
+        for problem in (None if follower else resume_problem(self.trainer.resume, Path(self.run_dir)),
                         callable_problem("rollout.rollout_fn", self.rollout.rollout_fn, builtin=("single_turn",)),
                         callable_problem("rollout.group_filter", self.rollout.group_filter,
                                          builtin=("all_equal", "none"))):

@@ -38,6 +38,30 @@ def ensure_model(job: JobConfig) -> str:
     return str(path)
 
 
+def load_model(path: str, lead: Lead):
+    """The model from `path` on every rank; (model, from_rank0). A rank whose host cannot read
+    `path` (no shared filesystem) builds it from the config rank 0 sends, and every rank then takes
+    rank 0's weights once the model is sharded (`from_rank0`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    readable = (Path(path) / "config.json").is_file()
+    if lead.world > 1:
+        seen = [None] * lead.world
+        torch.distributed.all_gather_object(seen, readable)
+        if not all(seen):
+            from trainer_bridge.fleet import model_files
+            box = [model_files(path) if lead.rank == 0 else None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if not readable:
+                import tempfile
+                local = Path(tempfile.mkdtemp(prefix="riptide-rank-model-"))
+                for name, data in box[0].items():
+                    (local / name).write_bytes(data)
+                config = AutoConfig.from_pretrained(local)
+                return AutoModelForCausalLM.from_config(config, dtype=torch.float32), True
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), True
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), False
+
+
 def sync_mode(job: JobConfig) -> JobConfig:
     """Synchronous rollout as the manager's special case: no oversampling, no staleness, so the next
     batch starts only after the new weights land and nothing generates while the trainer trains."""
@@ -120,16 +144,17 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
     if lead.rank == 0:
         save_config(job, run_dir)
         ensure_model(job)
-    if lead.world > 1:     # rank 0's run_dir for all (under torchrun each rank's ${now:...} may differ);
-        box = [job.run_dir]   # and the model exists for every rank once this returns
+    resume = _resume_dir(job, run_dir) if lead.rank == 0 else None
+    if lead.world > 1:     # rank 0's run_dir and checkpoint for all (under torchrun each rank's ${now:...}
+        box = [job.run_dir, resume]   # may differ; a rank on another host may not see either)
         torch.distributed.broadcast_object_list(box, src=0)
-        job, run_dir = dataclasses.replace(job, run_dir=box[0]), Path(box[0])
+        job, run_dir, resume = dataclasses.replace(job, run_dir=box[0]), Path(box[0]), box[1]
     model_path = str(Path(job.model.path))
-    from transformers import AutoModelForCausalLM
     ckpt_dir = run_dir / "checkpoints"
-    resume = _resume_dir(job, run_dir)
-    model = AutoModelForCausalLM.from_pretrained(str(resume or model_path), dtype=torch.float32)
+    model, from_rank0 = load_model(str(resume or model_path), lead)
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)     # sharded on k ranks
+    if from_rank0:
+        trainer.load_weights_from_rank0(str(resume or model_path))
     if lead.rank != 0:
         follow(model, trainer, trainer.load(resume)[0] if resume is not None else 0)
         return None

@@ -207,7 +207,8 @@ class GRPOTrainer:
         """A checkpoint as `directory/step-N` (every rank calls it when the trainer is sharded; rank 0
         passes the rollout state): Hugging Face weights (what a server or a fresh run loads), the
         optimizer and the step; with k ranks the model and optimizer as sharded state under
-        `sharded/`, from which any number of ranks resumes. `latest` names it once it is whole."""
+        `sharded/`, from which any number of ranks resumes, or, when the ranks do not share a
+        filesystem, the optimizer gathered to rank 0 too. `latest` names it once it is whole."""
         directory = Path(directory) / f"step-{step:06d}"
         state = {"step": step, "world_size": self.world,
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
@@ -215,15 +216,20 @@ class GRPOTrainer:
         if self.world == 1:
             self.model.save_pretrained(directory)
             state["optimizer"] = self.optimizer.state_dict()
-        else:
+        elif self._all_see(directory):
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+            from torch.distributed.checkpoint.state_dict import get_state_dict
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / "sharded"))
-            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if self.rank == 0:                  # the gathered weights, on rank 0 only, for serving
-                self.model.save_pretrained(directory, state_dict=full)
-            del full
+            self._save_full_weights(directory)
+        else:                                   # no shared filesystem: everything gathered to rank 0
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+            optim = get_optimizer_state_dict(self.model, self.optimizer,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            if self.rank == 0:
+                state["optimizer_by_name"] = optim
+            del optim
+            self._save_full_weights(directory)
         if self.rank == 0:
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
@@ -235,12 +241,43 @@ class GRPOTrainer:
             (directory.parent / "latest").write_text(directory.name)
         return directory
 
+    def _save_full_weights(self, directory: Path) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:                  # the gathered weights, on rank 0 only, for serving
+            self.model.save_pretrained(directory, state_dict=full)
+
+    def _all_see(self, directory: Path) -> bool:
+        """Does every rank see what rank 0 writes in `directory` (a shared filesystem)?"""
+        mark = directory / ".rank0"
+        if self.rank == 0:
+            mark.write_text("")
+        dist.barrier()
+        seen = [None] * self.world
+        dist.all_gather_object(seen, mark.exists())
+        return all(seen)
+
+    def load_weights_from_rank0(self, path: str) -> None:
+        """Every rank takes the weights rank 0 reads from `path` (ranks on hosts that cannot read it
+        built the model from its config)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from transformers import AutoModelForCausalLM
+        box = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        for model in (self.model, self.reference):     # the reference was copied from the model as built
+            if model is not None:
+                set_model_state_dict(model, box[0], options=StateDictOptions(full_state_dict=True))
+
     def load(self, directory: Path) -> tuple[int, dict]:
         """Continue from a checkpoint (the weights were loaded from it with from_pretrained): the
         optimizer, the step and the random state; on every rank when sharded. A checkpoint of one
         rank resumes on k and one of k ranks on any number."""
         directory = Path(directory)
-        state = torch.load(directory / "trainer_state.pt", weights_only=False)
+        state = torch.load(directory / "trainer_state.pt", weights_only=False) if self.rank == 0 else None
+        if self.world > 1:                      # rank 0's: the others' hosts may not see the checkpoint
+            box = [state]
+            dist.broadcast_object_list(box, src=0)
+            state = box[0]
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         if "optimizer" in state and self.world == 1:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -250,6 +287,9 @@ class GRPOTrainer:
             by_name = {"state": {names[i]: v for i, v in saved["state"].items()},
                        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]]}
             set_optimizer_state_dict(self.model, self.optimizer, by_name,
+                                     options=StateDictOptions(full_state_dict=True))
+        elif "optimizer_by_name" in state:      # gathered (no shared filesystem), onto this job's ranks
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer_by_name"],
                                      options=StateDictOptions(full_state_dict=True))
         else:                                   # sharded state, resharded onto this job's ranks
             import torch.distributed.checkpoint as dcp
