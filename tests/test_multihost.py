@@ -3,6 +3,7 @@ started in each with the `ray` command as the README says, the checkpoint and th
 on the trainer's host. Skipped with the reason where the machine refuses namespaces."""
 import json
 import secrets
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -243,3 +244,42 @@ def test_a_link_cut_mid_push_to_the_relaying_server(four_hosts):
     assert f"dropping {relay_url}" in text, "the push names the server it dropped"
     assert json.loads(text.strip().splitlines()[-1])["steps"] == 60
     assert evict_s < 60 and relay_url not in server_urls_of(rows(run_dir)[-1])
+
+
+def test_a_link_cut_at_commit(ray_hosts, tmp_path_factory):
+    """Two servers on two hosts; the second's link is cut once it has prepared, before the commit
+    reaches it: the push reports the version committed (every server prepared) with that server
+    pending; it keeps serving the old version while cut off, and once the link is back it learns
+    the outcome and commits the same weights, never anything else."""
+    _, hosts, _, logs = ray_hosts
+    from inference_server.tiny_model import build_tiny_model
+    model = str(build_tiny_model(tmp_path_factory.mktemp("commit") / "model", hidden=64, layers=2, heads=4,
+                                 kv_heads=2, tokenizer="chars", max_positions=256))     # seen by every host
+    token = secrets.token_urlsafe(16)
+    urls, procs = [], []
+    for h in hosts.hosts[1:]:
+        procs.append(h.run([sys.executable, "-m", "inference_server", "--model-path", model, "--host", h.addr,
+                            "--port", "30100", "--context-length", "128", "--cpu-threads", "1", "--no-cpu-split"],
+                           env={"RIPTIDE_API_KEY": token}, log_path=str(logs / f"commit-server-{h.name}.log")))
+        urls.append(f"http://{h.addr}:30100")
+    code = (f"import httpx, time\nfor u in {urls!r}:\n    end = time.monotonic() + 120\n"
+            f"    while time.monotonic() < end:\n        try:\n"
+            f"            if httpx.get(u + '/health', timeout=2).status_code == 200: break\n"
+            f"        except httpx.HTTPError: pass\n        time.sleep(0.3)\n")
+    try:
+        hosts[0].check_output([sys.executable, "-c", code], timeout=180)
+        out = hosts[0].check_output([sys.executable, str(Path(__file__).parent / "commit_cut_worker.py"), model,
+                                     *urls, hosts[2].name, hosts[0].addr], timeout=300,
+                                    env={"RIPTIDE_API_KEY": token, "PYTHONPATH": str(Path(__file__).parents[1])})
+    finally:
+        # the worker brings the link back; a failure half way must not leave it cut
+        subprocess.run(["ip", "-n", hosts[2].name, "link", "set", "eth0", "up"], check=False)
+        for h, p in zip(hosts.hosts[1:], procs):
+            h.stop(p)
+    result = json.loads(out.strip().splitlines()[-1])
+    print(f"link cut at commit: {result['push']}; after the link came back the cut server served "
+          f"{result['b_versions_after_restore']} and committed in {result['b_committed_after_s']} s")
+    assert result["push"]["committed_everywhere"] is False and result["push"]["pending"] == [urls[1]]
+    assert result["push"]["serving"][urls[0]] == 1
+    assert set(result["b_versions_after_restore"]) <= {0, 1} and result["b_versions_after_restore"][-1] == 1
+    assert result["digests"][0] == result["digests"][1]
