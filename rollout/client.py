@@ -137,12 +137,14 @@ class ServerClient:
         /health_generate answers once it has stepped, and counts as one step each time."""
         if not self._no_progress_route:
             try:
-                out = await self.get("/progress", timeout=timeout_s)
+                status, out = await self._request("GET", "/progress", timeout=timeout_s)
+            except ServerError:
+                return None
+            if status == 200:
                 return float(out["steps"]), float(out["cpu_s"])
-            except ServerError as e:
-                if "answered 404" not in str(e):
-                    return None
-                self._no_progress_route = True
+            if status != 404:
+                return None
+            self._no_progress_route = True
         if not await self.steps_again(timeout_s):
             return None
         self._probes += 1

@@ -108,6 +108,10 @@ class RolloutService:
         return {"servers": [c.url for c in m.router.clients], "down": list(m.router.down),
                 "inflight": len(m.inflight), "metrics": m.metrics.snapshot()}
 
+    async def down_servers(self) -> list[str]:
+        """The servers the router has marked down."""
+        return list(self.manager.router.down)
+
     async def close(self) -> None:
         if not self.manager.stopping:
             await self.manager.stop()

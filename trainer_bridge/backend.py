@@ -273,7 +273,7 @@ class RolloutBackend:
         """Servers the router has marked down (no answer, or no progress, for progress_timeout_s:
         a lost host, a cut link, a frozen process) leave before the push rather than cost it a hop
         timeout; one server always stays."""
-        down = [u for u in self.rollout.call("status")["down"] if u in self.servers]
+        down = [u for u in self.rollout.call("down_servers") if u in self.servers]
         for url in down[:len(self.servers) - 1]:
             self._evict(url, replace=self.cfg.cluster.replace_evicted)
 
