@@ -8,7 +8,7 @@ nodes of 2 CPUs, all on 127.0.0.1), one tiny random Qwen2 (built into a temp dir
  (a) Pushes: 4 servers (RayFleet: an actor and a placement group each, 0.5 CPU), then for each N in
      --sizes and each mode, `WeightSync(first N servers).push(weights, v)` --pushes times (one element
      of every tensor nudged before each, so every version differs): star (the trainer writes every
-     bucket to every server) and relay (topology tree, fan-out 2: the trainer writes each bucket once,
+     bucket to every server) and relay (topology tree, fan-out chosen per push: the trainer writes each bucket once,
      servers pass it on). Reported per N and mode: median push seconds, commit seconds, and the
      trainer's egress bytes over the model's bytes (what the trainer itself wrote: star ~N, relay ~1).
      After each mode, every server's live-weight digest must equal the trainer's.
@@ -21,15 +21,17 @@ nodes of 2 CPUs, all on 127.0.0.1), one tiny random Qwen2 (built into a temp dir
 Logs go to stderr; the last line is one JSON object: relay_egress_ratio_n4, star_egress_ratio_n4,
 push_s ({mode: {N: seconds}}), commit_s, egress_ratio, replace_s, samples_lost, samples_duplicated.
 
-    python bench/fleet.py --hosts [--rate-mbit 200] [--sizes 1,2,4] [--pushes 3]
+    python bench/fleet.py --hosts [--rate-mbit 100] [--sizes 1,2,4] [--pushes 3]
 
 The relay fan-out physically: hosts with their own addresses and links (network namespaces on a
 bridge, tests/hosts.py; needs root), the trainer on one, a server on each of 4 others
 (riptide-serve with a bearer token), every host's link capped at --rate-mbit in both directions
-(tc tbf). The pushes run on the trainer's host: for each N and topology (star, tree with fan-out 2,
-chain), the median push time of --pushes pushes, the model verified on every server after each
-topology. Printed: hosts_star_push_ratio_n4, hosts_tree_push_ratio_n4, hosts_chain_push_ratio_n4
-(push seconds at 4 servers over 1), push_s per topology and N, rate_mbit, model_bytes, verified.
+(tc tbf). The pushes run on the trainer's host: for each N and topology (star; tree with the
+fan-out it chooses per push, the default; chain; tree with fan-out 2 fixed), the median push time of
+--pushes pushes, the model verified on every server after each topology. Printed:
+hosts_star_push_ratio_n4, hosts_tree_push_ratio_n4, hosts_chain_push_ratio_n4,
+hosts_tree_f2_push_ratio_n4 (push seconds at 4 servers over 1), push_s per topology and N,
+rate_mbit, model_bytes, verified.
 """
 from __future__ import annotations
 
@@ -146,7 +148,7 @@ def death(cfg, model) -> dict:
             "evictions": b.stats.evictions}
 
 
-TOPOLOGIES = ("star", "tree", "chain")
+TOPOLOGIES = {"star": ("star", 0), "tree": ("tree", 0), "chain": ("chain", 0), "tree_f2": ("tree", 2)}
 
 
 def host_pushes(a, urls: list[str], host: str) -> dict:
@@ -162,10 +164,10 @@ def host_pushes(a, urls: list[str], host: str) -> dict:
     sizes = [int(x) for x in a.sizes.split(",")]
     out = {"model_bytes": sum(t.nbytes for t in params.values()), "push_s": {}, "verified": True}
     version = 0
-    for topology in TOPOLOGIES:
+    for topology, (shape, fan_out) in TOPOLOGIES.items():
         for n in sizes:
             sync = WeightSync(urls[:n], bucket_bytes=a.bucket_mb << 20, num_slots=a.num_slots, timeout_s=60,
-                              topology=topology, host=host, api_key=token)
+                              topology=shape, fan_out=fan_out, host=host, api_key=token)
             runs = []
             try:
                 for _ in range(a.pushes + 1):          # the first allocates slots and shadows: untimed
@@ -246,7 +248,9 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=384)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hosts", action="store_true", help="hosts of their own (network namespaces), links capped")
-    p.add_argument("--rate-mbit", type=float, default=200.0, help="--hosts: every host's link, each direction")
+    p.add_argument("--rate-mbit", type=float, default=100.0,
+                   help="--hosts: every host's link, each direction (at 200 the 2-core machine, not the links, "
+                        "limits a 4-relay chain: the CPUs sit at 0%% idle)")
     p.add_argument("--bucket-mb", type=int, default=2, help="--hosts: bucket size")
     p.add_argument("--num-slots", type=int, default=4, help="--hosts: staging slots per receiver")
     p.add_argument("--hosts-driver", action="store_true", help=argparse.SUPPRESS)

@@ -675,3 +675,16 @@ def test_fanout_never_deadlocks_and_delivers_every_bucket_once(topology):
             if p.error is None:
                 assert sorted(slots.got[i]) == list(range(buckets)), (topology, seed, i)
         assert (peers[1].error is not None) == (fail_at is not None)
+
+
+def test_a_tree_chooses_its_fan_out_from_the_fleet_and_the_buckets():
+    """A relay with f children sends every byte f times over its one link: with 4 servers and a
+    13-bucket push the default tree is a chain (one copy per link, the pipeline 3 buckets longer);
+    with 64 servers a chain's fill would cost more than a second copy per link, so fan-out 2. A
+    fan-out set by hand is kept, and a negative one is named."""
+    from weight_sync.fanout import TRAINER, best_fan_out, depth, tree_parents
+    assert tree_parents(4, "tree", buckets=13) == tree_parents(4, "chain") == [TRAINER, 0, 1, 2]
+    assert best_fan_out(64, 13) == 2 and depth(tree_parents(64, "tree", buckets=13)) == 7
+    assert tree_parents(4, "tree", 2, buckets=13) == [TRAINER, 0, 0, 1]
+    with pytest.raises(ValueError, match="fan_out=-1"):
+        tree_parents(4, "tree", -1)

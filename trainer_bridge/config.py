@@ -147,7 +147,8 @@ class WeightSyncConfig:
     inflight: str = f("continue", "running requests at a new version: continue on the new weights, or abort")
     topology: str = f("tree", "star (the trainer writes to every server) | chain | tree (servers relay: "
                               "the trainer writes each byte once)")
-    fan_out: int = f(2, "tree: servers each one relays to")
+    fan_out: int = f(0, "tree: servers each one relays to; 0 chooses per push (a chain until the fleet is deep "
+                        "compared with the buckets of a push: a relay sends every byte once per child)")
     min_fraction: float = f(0.5, "a push commits on the servers that remain while at least this share of the "
                                  "fleet does; lost ones are evicted (1.0: all or none)")
 

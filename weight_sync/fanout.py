@@ -4,7 +4,10 @@
 `tree` (fan-out f): the trainer writes each bucket once, to the first receiver, and every receiver
 that has verified a bucket writes it on to its children from its staging slot (`apply` with
 `forward`), so the trainer's egress stays ~1x the model whatever the fleet; a chain is a tree of
-fan-out 1. Every hop checks the digest of what it copied.
+fan-out 1. Every hop checks the digest of what it copied. A tree's fan-out is chosen per push unless
+set (`best_fan_out`): where every host has one link of the same speed, a relay with f children
+sends every byte f times over it, so a chain is fastest until the fleet is deep compared with the
+number of buckets, and wider trees only past that.
 
 Pipelined: bucket k moves down the tree while k+1 follows it. Slot j of a receiver holds bucket k
 from the moment k is written into it until its subtree has verified k; the trainer's local slot
@@ -35,16 +38,44 @@ TRAINER = -1
 TOPOLOGIES = ("star", "chain", "tree")
 
 
-def tree_parents(n: int, topology: str, fan_out: int = 2) -> list[int]:
+AUTO = 0      # tree fan-out chosen per push from the fleet size and the bucket count (best_fan_out)
+
+
+def tree_parents(n: int, topology: str, fan_out: int = AUTO, buckets: int = 1) -> list[int]:
     """The parent of each of n receivers (TRAINER for the trainer's own children)."""
     if topology == "star":
         return [TRAINER] * n
     if topology not in TOPOLOGIES:
         raise ValueError(f"weight_sync.topology={topology!r}: use one of {TOPOLOGIES}")
-    f = 1 if topology == "chain" else fan_out
-    if f < 1:
-        raise ValueError(f"weight_sync.fan_out={fan_out}: must be >= 1")
+    if fan_out < 0:
+        raise ValueError(f"weight_sync.fan_out={fan_out}: must be >= 1, or {AUTO} to choose it per push")
+    f = 1 if topology == "chain" else fan_out or best_fan_out(n, buckets)
     return [TRAINER] + [(i - 1) // f for i in range(1, n)]
+
+
+def levels(n: int, f: int) -> int:
+    """How many receivers deep a tree of n with fan-out f is (the trainer feeds its root)."""
+    if f == 1:
+        return n
+    depth, width, placed = 0, 1, 0
+    while placed < n:
+        placed, width, depth = placed + width, width * f, depth + 1
+    return depth
+
+
+def best_fan_out(n: int, buckets: int) -> int:
+    """The fan-out that moves `buckets` buckets to n receivers soonest when every host's link is as
+    fast as every other's: a receiver with f children writes each bucket f times over its one link,
+    so the last bucket lands after about f * (buckets + levels - 1) bucket-times. Few receivers or
+    many buckets: a chain (f = 1, every link busy with one copy); many receivers: wider."""
+    return min(range(1, max(2, n)), key=lambda f: (f * (buckets + levels(n, f) - 1), f))
+
+
+def depth(parents: list[int]) -> int:
+    """Receivers on the longest path from the trainer (1 for a star)."""
+    def up(i: int) -> int:
+        return 1 if parents[i] == TRAINER else 1 + up(parents[i])
+    return max((up(i) for i in range(len(parents))), default=1)
 
 
 @dataclass
@@ -93,12 +124,37 @@ class Turns:
         return self._next[node][k % self.n] > k
 
 
+class Links:
+    """One write at a time into each receiver, lowest bucket first: writes that share a link only
+    share its bandwidth, so running them together delays every bucket and the pipeline behind it."""
+
+    def __init__(self, receivers: int):
+        self._busy = [False] * receivers
+        self._waiting: list[set[int]] = [set() for _ in range(receivers)]
+        self._cv = threading.Condition()
+
+    def write(self, node: int, k: int, fn: Callable[[], None]) -> None:
+        with self._cv:
+            self._waiting[node].add(k)
+            while self._busy[node] or min(self._waiting[node]) != k:
+                self._cv.wait()
+            self._waiting[node].discard(k)
+            self._busy[node] = True
+        try:
+            fn()
+        finally:
+            with self._cv:
+                self._busy[node] = False
+                self._cv.notify_all()
+
+
 class Fanout:
     def __init__(self, peers: list, parent: list[int], num_slots: int, ring: int, ref: UpdateRef, hop: Hop,
                  pool: ThreadPoolExecutor):
         self.peers, self.parent, self.ref, self.hop, self.pool = peers, parent, ref, hop, pool
         self.num_slots, self.ring = num_slots, ring
         self.turns = Turns(len(peers), num_slots)
+        self.links = Links(len(peers))
         self.local = [threading.Semaphore(1) for _ in range(ring)]
         self._nbytes: dict[int, int] = {}
         self._lock = threading.Lock()
@@ -167,8 +223,11 @@ class Fanout:
 
     def _visit(self, node: int, k: int, digest: str) -> None:
         """Bucket k has been written into node's slot: verify it there, write it on to node's
-        children, let them do the same. Node's slot stays held until its subtree has the bucket."""
-        unwritten, done = [], False
+        children, let them do the same. Node's slot goes on to bucket k + n as soon as its own
+        copy and its writes to its children are done: a child whose copy fails is written again by
+        the trainer (whose ring holds k until the whole tree has it), never from node's slot, so
+        the next bucket can come down while k travels further."""
+        unwritten, held = [], True
         try:
             kids = unwritten = [c for c in self.children(node) if self._take(c, k)]
             try:
@@ -176,14 +235,16 @@ class Fanout:
             except ReceiverCallError as e:
                 self._drop(node, e)         # its children are its parent's now: served there
                 return
-            unwritten, done = [], True      # written: each kid's own visit hands its slot on
+            unwritten, held = [], False     # written: each kid's own visit hands its slot on
+            self.turns.give(node, k, done=True)
             for i, error in failed.items():
                 self._drop(kids[i], ReceiverCallError(self.peers[kids[i]].name, f"relay write failed: {error}"))
             self._serve(node, k, digest, sent=[c for i, c in enumerate(kids) if i not in failed])
         finally:
             for c in unwritten:             # the slot waits for bucket k from elsewhere
                 self.turns.give(c, k, done=False)
-            self.turns.give(node, k, done=done)
+            if held:
+                self.turns.give(node, k, done=False)
 
     def _apply(self, node: int, k: int, digest: str, kids: list[int]) -> dict[int, str]:
         """Bucket k at node, forwarded to `kids`; a digest mismatch is written again from the
@@ -216,7 +277,7 @@ class Fanout:
         if not self._take(node, k):
             return
         try:
-            self.hop.write(self.peers[node], k % self.ring, k, self._nbytes[k])
+            self.links.write(node, k, lambda: self.hop.write(self.peers[node], k % self.ring, k, self._nbytes[k]))
         except ReceiverCallError as e:
             self.turns.give(node, k, done=False)
             self._drop(node, e)

@@ -119,6 +119,7 @@ class Receiver:
         self._update: _Update | None = None
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._lock = threading.Lock()
+        self._relay = threading.Lock()     # one relay write at a time: they share this host's link
         self._closed = threading.Event()
         self.torn = False                    # in-place update under way or failed: weights are mixed
 
@@ -164,7 +165,24 @@ class Receiver:
 
     def apply(self, req: ApplyRequest) -> ApplyReply:
         """Copy bucket `req.bucket` out of staging slot `req.slot` into the update's targets and check
-        the copy against the sender's digest; then write it on to `req.forward` (relay fan-out)."""
+        the copy against the sender's digest, while writing the slot on to `req.forward` (relay
+        fan-out). The relay does not wait for the check (cut-through): each child checks its own
+        copy against the same digest, and a bucket that fails here is written again and relayed
+        again before any child is asked to apply it."""
+        if not req.forward:
+            return self._verify(req)
+        with self._lock:
+            update = self._staging(req, req.bucket, req.slot)
+        relay = threading.Thread(target=lambda: out.append(self._forward(update, req)), name="relay", daemon=True)
+        out: list[ApplyReply] = []
+        relay.start()
+        try:
+            self._verify(req)
+        finally:
+            relay.join()            # the slot is the sender's again only once the relay has read it
+        return out[0] if out else ApplyReply(failed={i: "relay write did not finish" for i in range(len(req.forward))})
+
+    def _verify(self, req: ApplyRequest) -> ApplyReply:
         with self._lock:
             update = self._staging(req, req.bucket, req.slot)
             if not self.shadow and update.paused_at is None:
@@ -181,7 +199,7 @@ class Receiver:
             update.applied.add(req.bucket)
             if len(update.applied) == len(update.plan):
                 update.stage = Stage.STAGED
-            return self._forward(update, req)
+            return ApplyReply(failed={})
 
     def prepare(self, req: PrepareRequest) -> None:
         with self._lock:
@@ -279,15 +297,19 @@ class Receiver:
         return update
 
     def _forward(self, update: _Update, req: ApplyRequest) -> ApplyReply:
-        """The relay hop: this receiver's slot into each target's slot, with its own transport."""
+        """The relay hop: this receiver's slot into each target's slot, with its own transport. It
+        runs outside the lock (beside the copies of other buckets); the sender hands this slot to
+        another bucket only after the apply returns, and slot memory outlives its update, so a
+        write racing an abort lands in memory nothing uses."""
         src, nbytes = update.slots[req.slot], update.plan[req.bucket].nbytes
         failed = {}
-        for i, target in enumerate(req.forward):
-            try:
-                self.transport.write(target.session, [WriteOp(src.data_ptr(), target.addr, nbytes)],
-                                     req.forward_timeout_s)
-            except TransportError as e:
-                failed[i] = str(e)
+        with self._relay:
+            for i, target in enumerate(req.forward):
+                try:
+                    self.transport.write(target.session, [WriteOp(src.data_ptr(), target.addr, nbytes)],
+                                         req.forward_timeout_s)
+                except TransportError as e:
+                    failed[i] = str(e)
         return ApplyReply(failed=failed)
 
     def _current(self, ref: UpdateRef) -> _Update:

@@ -2,8 +2,8 @@
 
 Pipelined: bucket k+1 is packed while bucket k travels down the fan-out tree (`fanout.py`: a star,
 or a chain / tree where receivers relay each bucket onward, so the trainer writes it once) and
-receivers copy and verify it. Local staging is a ring of `num_slots + 1` registered buffers, each
-receiver's a ring of `num_slots` staging slots; bucket k's local buffer is reused only once every
+receivers copy and verify it. Local staging is a ring of `num_slots` + (levels of the tree) registered
+buffers, each receiver's a ring of `num_slots` staging slots; bucket k's local buffer is reused only once every
 receiver verified it, so a digest mismatch anywhere is rewritten from it. Every hop has a timeout.
 A receiver that fails before the decision is named and dropped while at least `min_fraction` of
 the fleet remains (else the update is aborted everywhere and nobody flips; the aborts go out in
@@ -32,7 +32,7 @@ from weight_sync import named_weights
 from platforms import detect
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
-from weight_sync.fanout import Fanout, Hop, tree_parents
+from weight_sync.fanout import AUTO, Fanout, Hop, depth, tree_parents
 from weight_sync.protocol import CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, UpdateRef
 from weight_sync.transports import Transport, TransportError, WriteOp
 
@@ -110,10 +110,10 @@ class _Peer:
 class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
                  num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
-                 api_key: str | None = None, topology: str = "star", fan_out: int = 2,
+                 api_key: str | None = None, topology: str = "star", fan_out: int = AUTO,
                  host: str | None = None, protocol: str = "auto", device_name: str = ""):
         """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
-        stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out).
+        stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out; AUTO: chosen per push).
         Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
         the first receiver, loopback for a loopback fleet) with the receivers' protocol and device
         (`auto`: this machine's platform's, see platforms.Platform.mooncake)."""
@@ -307,12 +307,15 @@ class WeightSync:
         `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
         accelerator), asked for in plan order just before it is packed (a sharded model gathers
         them then)."""
-        self._ensure_local(max(b.nbytes for b in plan))
+        parents = tree_parents(len(peers), self.topology, self.fan_out, buckets=len(plan))
+        # Bucket k's local slot is free once the whole tree has verified k (a hop whose copy fails
+        # is written again from it): one slot per level of relays keeps the trainer writing while
+        # earlier buckets travel down the tree, and packing off the critical path.
+        self._ensure_local(max(b.nbytes for b in plan), self.num_slots + depth(parents))
         ring, t = len(self._local), time.perf_counter()
         hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
         with ThreadPoolExecutor(Fanout.pool_size(len(peers), ring), thread_name_prefix="weight-sync-fanout") as pool:
-            fan = Fanout(peers, tree_parents(len(peers), self.topology, self.fan_out), self.num_slots, ring, ref, hop,
-                         pool)
+            fan = Fanout(peers, parents, self.num_slots, ring, ref, hop, pool)
             moving: list[Future] = []
             try:
                 for k, bucket in enumerate(plan):
@@ -379,13 +382,13 @@ class WeightSync:
         except Exception as e:  # best effort: the receiver may be the one that is dead
             log.info("abort on %s failed: %s", peer.name, e)
 
-    def _ensure_local(self, nbytes: int) -> None:
-        if len(self._local) == self.num_slots + 1 and self._local[0].numel() >= nbytes:
+    def _ensure_local(self, nbytes: int, ring: int) -> None:
+        if len(self._local) == ring and self._local[0].numel() >= nbytes:
             return
         for buf in self._local:
             self.transport.unregister(buf.data_ptr())
         # Page-locked on a machine with an accelerator: the trainer's tensors come over by DMA.
         self._local = [host_buffer(nbytes, self.mooncake.alignment, self.platform.accelerator)
-                       for _ in range(self.num_slots + 1)]
+                       for _ in range(ring)]
         for buf in self._local:
             self.transport.register(buf)

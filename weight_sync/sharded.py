@@ -360,7 +360,7 @@ class _DirectPush:
             # A ring of num_slots "local" slots: bucket k starts once bucket k - num_slots has been
             # verified everywhere, which is when every server's slot k % num_slots is free again.
             # The ranks write into the tree's roots (every server in a star); relays do the rest.
-            fan = Fanout(peers, tree_parents(len(peers), sync.topology, sync.fan_out), n, n, ref, hop, pool)
+            fan = Fanout(peers, tree_parents(len(peers), sync.topology, sync.fan_out, buckets=len(writer.plan)), n, n, ref, hop, pool)
             moving = []
             try:
                 for k, bucket in enumerate(writer.plan):
