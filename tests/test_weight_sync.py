@@ -115,7 +115,10 @@ def test_push_changes_what_the_server_generates(fresh_server, new_model, hf_mode
         sync.close()
 
 
-def test_two_servers_both_flip_and_stale_versions_are_refused(fresh_server, new_model):
+def test_two_servers_both_flip_and_stale_versions_are_refused(fresh_server, new_model, hf_model):
+    """Both flip; an older version is refused; the version they serve again is a no-op only with
+    the weights that serve it: other weights under that version fail, naming it and the servers
+    (a trainer that resumed and retrained a pushed step differently), and change nothing."""
     from weight_sync.sender import WeightSyncError
     a, b = fresh_server(), fresh_server()
     sync = sync_to(a.url, b.url)
@@ -124,7 +127,10 @@ def test_two_servers_both_flip_and_stale_versions_are_refused(fresh_server, new_
         assert set(stats.stall_s) == {a.url, b.url} and stats.serving == {a.url: 3, b.url: 3}
         assert version(a.url) == version(b.url) == 3
         assert greedy(a.url)["output_ids"] == greedy(b.url)["output_ids"] == reference(new_model)
-        again = sync.push(new_model, version=3)     # the version they serve: nothing to send
+        with pytest.raises(WeightSyncError, match=f"version 3 is already served by {a.url}, {b.url} with other weights"):
+            sync.push(hf_model, version=3)
+        assert greedy(a.url)["output_ids"] == greedy(b.url)["output_ids"] == reference(new_model)
+        again = sync.push(new_model, version=3)     # the version they serve, the same weights: nothing to send
         assert again.bytes == 0 and again.serving == {a.url: 3, b.url: 3}
         with pytest.raises(WeightSyncError, match="not newer"):
             sync.push(new_model, version=2)

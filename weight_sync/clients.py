@@ -10,9 +10,9 @@ from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitR
 class ReceiverCallError(RuntimeError):
     """A receiver refused or did not answer; `kind` is the protocol's ErrorKind when it refused."""
 
-    def __init__(self, name: str, message: str, kind: ErrorKind | None = None):
+    def __init__(self, name: str, message: str, kind: ErrorKind | None = None, detail: dict | None = None):
         super().__init__(f"receiver {name}: {message}")
-        self.receiver, self.kind = name, kind
+        self.receiver, self.kind, self.detail = name, kind, detail or {}
 
 
 class HttpReceiverClient:
@@ -35,7 +35,7 @@ class HttpReceiverClient:
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
             kind = body.get("kind")
             raise ReceiverCallError(self.name, f"/{path} answered {r.status_code}: {body.get('error', r.text)}",
-                                    ErrorKind(kind) if kind else None)
+                                    ErrorKind(kind) if kind else None, body.get("detail"))
         return r.json()
 
     def open(self, req: OpenRequest) -> OpenReply:
@@ -82,7 +82,7 @@ class LocalReceiverClient:
         try:
             return fn(*args)
         except ReceiverError as e:
-            raise ReceiverCallError(self.name, str(e), e.kind) from None
+            raise ReceiverCallError(self.name, str(e), e.kind, e.detail) from None
 
     def open(self, req: OpenRequest) -> OpenReply:
         return self._call(self.receiver.open, req)

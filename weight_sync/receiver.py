@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 import torch
 
 from platforms import platform_of
+from weight_sync import live_digest
 from weight_sync.bucket import Bucket, TensorSpec, host_buffer, plan_buckets, unpack_verified
 from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind,
                                   InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
@@ -64,9 +65,9 @@ class ServingEngine(Protocol):
 
 
 class ReceiverError(Exception):
-    def __init__(self, kind: ErrorKind, message: str):
+    def __init__(self, kind: ErrorKind, message: str, detail: dict | None = None):
         super().__init__(message)
-        self.kind = kind
+        self.kind, self.detail = kind, detail or {}
 
 
 class Stage(str, enum.Enum):
@@ -76,9 +77,6 @@ class Stage(str, enum.Enum):
     PREPARED = "prepared"
     COMMITTED = "committed"
     ABORTED = "aborted"
-
-
-LIVE_STAGES = (Stage.OPEN, Stage.STAGED, Stage.PREPARED)
 
 
 @dataclass
@@ -118,6 +116,7 @@ class Receiver:
         self._shadow: dict[str, torch.Tensor] | None = None
         self._update: _Update | None = None
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
+        self._served: tuple[int, str] | None = None    # (version, live_digest of the weights serving it)
         self._lock = threading.Lock()
         self._relay = threading.Lock()     # one relay write at a time: they share this host's link
         self._closed = threading.Event()
@@ -143,8 +142,11 @@ class Receiver:
             if self.engine.has_weights and not self.torn:
                 if req.version < current:
                     raise ReceiverError(ErrorKind.STALE, f"version {req.version} is not newer than the served {current}")
-                if req.version == current:
-                    raise ReceiverError(ErrorKind.CURRENT, f"version {req.version} is already served")
+                if req.version == current:   # the sender checks its weights are these (sender._check_current)
+                    raise ReceiverError(ErrorKind.CURRENT, f"version {req.version} is already served",
+                                        {"digest": self._served_digest(),
+                                         "specs": [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)}
+                                                   for s in self.specs()]})
             staged = self._update
             # The same version again is a retry (its first sender died or missed a receiver); an older
             # one is fenced off while the staged update is fresh.
@@ -286,6 +288,15 @@ class Receiver:
                     return
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _served_digest(self) -> str:
+        """live_digest of the weights that serve the current version: computed the first time a
+        sender asks (a push of the version already served), then kept until the version changes.
+        Under the lock: nothing writes the live weights meanwhile."""
+        version = self.engine.version
+        if self._served is None or self._served[0] != version:
+            self._served = (version, live_digest(self.engine.parameters()))
+        return self._served[1]
+
     def _staging(self, ref: UpdateRef, bucket: int, slot: int) -> _Update:
         update = self._current(ref)
         if update.stage not in (Stage.OPEN, Stage.STAGED):

@@ -36,7 +36,7 @@ def mount(app: FastAPI, receiver: Receiver, api_key: str | None = None, weights_
 
     @app.exception_handler(ReceiverError)
     async def _refused(_, exc: ReceiverError):
-        return JSONResponse({"error": str(exc), "kind": exc.kind.value}, status_code=409)
+        return JSONResponse({"error": str(exc), "kind": exc.kind.value, "detail": exc.detail}, status_code=409)
 
     _protocol_routes(app, receiver)
     _serving_routes(app, receiver, api_key)

@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from weight_sync import named_weights
+from weight_sync import live_digest, named_weights
 from platforms import detect
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
@@ -96,6 +96,7 @@ class _Peer:
     client: object
     reply: OpenReply | None = None
     current: bool = False          # already serves the pushed version: nothing to send it
+    served: dict | None = None     # then: the digest and specs of the weights serving it
     error: str | None = None
 
     @property
@@ -164,7 +165,12 @@ class WeightSync:
 
         def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
             self.stream(staging, self.plan(specs, stats), self._sources(tensors, specs), ref, stats)
-        return self.run_update(version, InFlight(inflight), stage)
+
+        def digest_as(specs: list[TensorSpec]) -> str:
+            """live_digest of the pushed weights as the receivers hold them (their names and dtypes)."""
+            dtypes = check_weights(tensors, specs)
+            return live_digest({s.name: tensors[s.name].detach().to(dtypes[s.name]) for s in specs})
+        return self.run_update(version, InFlight(inflight), stage, digest_as)
 
     def plan(self, specs: list[TensorSpec], stats: PushStats) -> list[Bucket]:
         """The update's buckets (counted in `stats`)."""
@@ -172,15 +178,20 @@ class WeightSync:
         stats.buckets, stats.bytes = len(plan), sum(b.nbytes for b in plan)
         return plan
 
-    def run_update(self, version: int, inflight: InFlight, stage) -> PushStats:
+    def run_update(self, version: int, inflight: InFlight, stage,
+                   digest_as: Callable[[list[TensorSpec]], str] | None = None) -> PushStats:
         """One update as version `version`: open every receiver, `stage(staging peers, specs, ref,
         stats)` puts every bucket into them verified, then prepare and the two-phase commit. A
-        sharded push (sharded.py) stages its own way, inside this same update."""
+        sharded push (sharded.py) stages its own way, inside this same update. Receivers that serve
+        `version` already are left as they are only when `digest_as(their specs)`, the pushed
+        weights' live_digest, is that of the weights they serve (None: it cannot be told, so a push
+        of a served version fails)."""
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
         peers = self._peers = [_Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
+            self._check_current(peers, version, digest_as)
             staging = [p for p in peers if p.staging]
             if staging:
                 stage(staging, specs, ref, stats)
@@ -218,6 +229,7 @@ class WeightSync:
                 return p.client.open(req)
             except ReceiverCallError as e:
                 if e.kind is ErrorKind.CURRENT:
+                    p.served = e.detail
                     return None
                 raise
         for p, reply in self._each(peers, open_one, "open"):
@@ -230,6 +242,33 @@ class WeightSync:
                                       f"{live[0].name}: their weight specs differ")
         stats.open_s = time.perf_counter() - t
         return specs
+
+    @staticmethod
+    def _check_current(peers: list[_Peer], version: int, digest_as) -> None:
+        """A version names one set of weights: receivers that serve `version` already must serve
+        exactly the pushed weights, or the push fails before anything is sent. (A trainer that
+        pushed v, crashed, resumed and trained step v again differently would otherwise label
+        rollouts of the old weights as its new ones.)"""
+        current = [p for p in peers if p.current]
+        if not current:
+            return
+        names = ", ".join(p.name for p in current)
+        if digest_as is None:
+            raise WeightSyncError(f"version {version} is already served by {names}, and this push cannot check "
+                                  f"that its weights are the ones serving it: push them as a new version")
+        by_digest: dict[str, str] = {}
+        differ = []
+        for p in current:
+            specs = [TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in (p.served or {}).get("specs", [])]
+            key = repr(specs)
+            if key not in by_digest:
+                by_digest[key] = digest_as(specs) if specs else ""
+            if not specs or by_digest[key] != p.served.get("digest"):
+                differ.append(p.name)
+        if differ:
+            raise WeightSyncError(f"version {version} is already served by {', '.join(differ)} with other weights "
+                                  f"than these: a version names one set of weights, so this push changes nothing "
+                                  f"and fails; push the new weights as a version above {version}")
 
     def _prepare_request(self, peer: _Peer, staging: list[_Peer], ref: UpdateRef, inflight: InFlight):
         others = [q.client.url for q in staging if q is not peer and getattr(q.client, "url", None)]
