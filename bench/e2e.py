@@ -203,7 +203,7 @@ def summarize(pairs: list[dict], every: int) -> dict:
     kls = [r["train/logprob_kl_k3"] for p in pairs for r in p["async"]["records"][1:] if "train/logprob_kl_k3" in r]
     out["async_behaviour_kl_per_token"] = round(sum(kls) / len(kls), 4) if kls else None
     out["async_drops"] = [p["async"]["records"][-1].get("drops", {}) for p in pairs]
-    out["max_staleness_seen"] = max(r.get("max_staleness", 0) for p in pairs for r in p["async"]["records"])
+    out["max_staleness_seen"] = max(r.get("staleness_max", 0) for p in pairs for r in p["async"]["records"])
     out["async_phase_mean_s"] = seed_phase_means(pairs, "async")
     out["sync_phase_mean_s"] = seed_phase_means(pairs, "sync")
     return out

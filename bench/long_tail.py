@@ -223,7 +223,7 @@ async def run_sync(urls, tokenizer, data, cfg, trainer, steps, first_step: int =
         s1 = await server_stats(router)
     finally:
         await router.close()
-    return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
+    return {"wall_s": wall, "samples": trained, "tokens": tokens, "staleness_max": max_stale,
             "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "gen_s": gen_s, "train_s": trainer.train_s,
             "server_steps": s1["steps"] - s0["steps"], "server_tokens": s1["generation_tokens"] - s0["generation_tokens"],
             "push_s": trainer.push_s, "per_step": per_step,
@@ -235,7 +235,7 @@ def merge_runs(parts: list[dict]) -> dict:
     out = dict(parts[-1])
     for k in ("wall_s", "samples", "tokens", "busy_s", "gen_s", "train_s", "server_steps", "server_tokens", "push_s"):
         out[k] = sum(p[k] for p in parts)
-    out["max_staleness"] = max(p["max_staleness"] for p in parts)
+    out["staleness_max"] = max(p["staleness_max"] for p in parts)
     out["per_step"] = [s for p in parts for s in p["per_step"]]
     out["mean_len"] = out["tokens"] / out["samples"]
     return out
@@ -313,7 +313,7 @@ async def run_async(urls, tokenizer, items, cfg, trainer, steps, align_capacity:
     lost = started - trained_uids - pending - set(dropped)
     dropped_started = {u for u in dropped if u in started}
     mt = m.metrics
-    return {"wall_s": wall, "samples": trained, "tokens": tokens, "max_staleness": max_stale,
+    return {"wall_s": wall, "samples": trained, "tokens": tokens, "staleness_max": max_stale,
             "staleness_hist": dict(sorted(hist.items())),
             "busy_s": s1["busy_seconds"] - s0["busy_seconds"], "trainer_wait_s": wait_s,
             "server_steps": s1["steps"] - s0["steps"],
@@ -402,7 +402,7 @@ async def bench(args, urls, path) -> dict:
         "speedup": round(async_sps / sync_sps, 3),
         "sync_busy_ratio": round(sync["busy_s"] / sync["wall_s"] / len(urls), 3),
         "async_busy_ratio": round(asyn["busy_s"] / asyn["wall_s"] / len(urls), 3),
-        "max_staleness_seen": max(sync["max_staleness"], asyn["max_staleness"]),
+        "max_staleness_seen": max(sync["staleness_max"], asyn["staleness_max"]),
         "staleness_bound": async_cfg.max_staleness,
         "stale_policy": async_cfg.stale_policy.value, "max_token_age": async_cfg.max_token_age,
         "tokens_masked_old": asyn["tokens_masked_old"], "waits_for_old": asyn["waits_for_old"],

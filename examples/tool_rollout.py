@@ -47,7 +47,7 @@ async def calculator(sample: Sample, ctx) -> Sample:
 
 async def final_answer(sample: Sample) -> float:
     """Partial credit for what the model wrote after the tool's output."""
-    from trainer_bridge.tasks import partial_credit_score
+    from rollout.tasks import partial_credit_score
     text = sample.response_text
     answer = text.rsplit(TOOL_CLOSE, 1)[-1] if TOOL_CLOSE in text else ""
     return partial_credit_score(answer, str(sample.label))

@@ -21,8 +21,9 @@ from typing import Any, Callable
 import torch
 
 from inference_server import weights
+from inference_server.cpu_split import SplitStepRunner
 from inference_server.kv_cache import kv_slots_that_fit
-from inference_server.model_runner import DecoderRunner, make_runner
+from inference_server.model_runner import DecoderRunner, GenericRunner, Runner, supports_fast_path
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Sequence
@@ -30,6 +31,16 @@ from platforms import choose_device, choose_dtype, usable_cores
 
 log = logging.getLogger(__name__)
 
+
+def make_runner(model, num_slots: int, context_length: int, split_threads: int | None = None) -> Runner:
+    """The fast path where the model's family has one, else the generic one; `split_threads` (CPU,
+    one thread a step) runs big fast-path steps as two parts (cpu_split)."""
+    if not supports_fast_path(model):
+        return GenericRunner(model, num_slots, context_length)
+    runner = DecoderRunner(model, num_slots, context_length)
+    if split_threads is None:
+        return runner
+    return SplitStepRunner(runner, threads=split_threads)
 
 class PauseMode(str, enum.Enum):
     ABORT = "abort"          # abort everything, then hold new requests

@@ -28,6 +28,7 @@ from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, Co
                                         GenerateReqInput, PauseGenerationReqInput, SamplingParamsIn,
                                         UpdateWeightsFromDiskReqInput, parse_version)
 from inference_server.metrics import metrics_text
+from inference_server.openai_api import chat_completion, completion, models
 from inference_server.process import is_loopback
 from inference_server.sequence import SamplingParams, Sequence
 
@@ -359,17 +360,14 @@ def _generation_routes(app: FastAPI, server: Server) -> None:
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest = body(CompletionRequest)):
-        from inference_server.openai_api import completion
         return reply(await completion(server, req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest = body(ChatCompletionRequest)):
-        from inference_server.openai_api import chat_completion
         return reply(await chat_completion(server, req))
 
     @app.get("/v1/models")
     async def list_models():
-        from inference_server.openai_api import models
         return models(server)
 
 

@@ -172,16 +172,7 @@ class DecoderRunner:
         positions = torch.tensor(pos, device=self.device)
         if b:
             dec_pos = positions[:b]
-            planned = []                             # (start, end, longest, additive mask or None), part rows
-            for start, end, longest in chunks:
-                start, end = start - slot0, end - slot0
-                mask = None
-                if any(p + 1 != longest for p in pos[start:end]):
-                    valid = torch.arange(longest, device=self.device)[None, :] <= dec_pos[start:end, None]
-                    mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
-                    mask.masked_fill_(~valid, float("-inf"))
-                    mask = mask[:, None, None, :]
-                planned.append((start, end, longest, mask))
+            planned = self._decode_chunks(chunks, slot0, pos, dec_pos)
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
@@ -212,6 +203,21 @@ class DecoderRunner:
             last[id(s)] = spans[i][1] + spans[i][2] - 1
         rows = list(range(b)) + [last[id(s)] for s in prefill]
         return self._logits(x[torch.tensor(rows, device=self.device)] if prefill else x)
+
+    def _decode_chunks(self, chunks, slot0: int, pos: list[int], dec_pos: torch.Tensor) -> list[tuple]:
+        """(start, end, longest, additive mask or None) of each chunk of decode rows, in part rows:
+        a mask only where a row's position is short of the chunk's longest."""
+        planned = []
+        for start, end, longest in chunks:
+            start, end = start - slot0, end - slot0
+            mask = None
+            if any(p + 1 != longest for p in pos[start:end]):
+                valid = torch.arange(longest, device=self.device)[None, :] <= dec_pos[start:end, None]
+                mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
+                mask.masked_fill_(~valid, float("-inf"))
+                mask = mask[:, None, None, :]
+            planned.append((start, end, longest, mask))
+        return planned
 
     def plan(self, decode: list[Sequence], pos: list[int]) -> list[tuple[int, int, int]]:
         """plan_chunks for this step. Every running row grows by one token a step, so the cut points
@@ -280,15 +286,3 @@ class GenericRunner:
 
     def reorder(self, order: list[int], lengths: list[int]) -> None:
         raise NotImplementedError
-
-
-def make_runner(model, num_slots: int, context_length: int, split_threads: int | None = None) -> Runner:
-    """The fast path where the model's family has one, else the generic one; `split_threads` (CPU,
-    one thread a step) runs big fast-path steps as two parts (cpu_split)."""
-    if not supports_fast_path(model):
-        return GenericRunner(model, num_slots, context_length)
-    runner = DecoderRunner(model, num_slots, context_length)
-    if split_threads is None:
-        return runner
-    from inference_server.cpu_split import SplitStepRunner
-    return SplitStepRunner(runner, threads=split_threads)

@@ -54,3 +54,13 @@ class PromptSource:
             raise ValueError(f"saved data position is for {state['size']} items; this source has {len(self.items)}")
         self.seed, self.epoch, self.cursor = state["seed"], state["epoch"], state["cursor"]
         self._order = self._make_order()
+
+
+def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's token ids as the servers get them: through the chat template (one user turn,
+    generation prompt added) or as plain text without special tokens."""
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer(prompt, add_special_tokens=False).input_ids

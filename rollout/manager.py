@@ -28,9 +28,9 @@ from typing import Callable
 
 from rollout.agent import RolloutFn, single_turn
 from rollout.client import RequestRefused, ServerError
-from rollout.config import RolloutConfig, StalePolicy, UpdatePolicy
+from rollout.config import RolloutConfig, UpdatePolicy
 from rollout.context import RolloutContext
-from rollout.data import PromptSource
+from rollout.data import PromptSource, prompt_ids
 from rollout.filters import GroupFilter, all_equal
 from rollout.metrics import BatchReport, RolloutMetrics
 from rollout.requests import Requests, Stopped
@@ -55,7 +55,7 @@ class RolloutManager:
         self.trainer_version = 0
         self.consumed_groups = 0
         self.metrics = RolloutMetrics()
-        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size, keep=cfg.stale_policy is StalePolicy.keep)
+        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size, cfg.stale_policy, cfg.max_token_age)
         self.requests = Requests(cfg, router, self.metrics, self.admit, lambda: self.trainer_version)
         self.running: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()
@@ -121,20 +121,9 @@ class RolloutManager:
                 and in_progress < self.cfg.groups_in_progress
                 and self.staleness.may_start(self.trainer_version, self.consumed_groups, in_progress))
 
-    def _risky_running(self) -> list[Group]:
-        """stale_policy wait: running groups the next version would put past the bound."""
-        if self.cfg.stale_policy is not StalePolicy.wait:
-            return []
-        return [g for g in self.running.values() if self.staleness.at_risk(g, self.trainer_version)]
-
     def _new_group(self) -> Group:
         item = self.data.next()
-        if self._chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": item.prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        else:
-            ids = self.tokenizer(item.prompt, add_special_tokens=False).input_ids
+        ids = prompt_ids(self.tokenizer, item.prompt, self._chat)
         gid = f"g{item.index}"
         samples = [Sample(gid, i, list(ids), item.prompt, item.label, metadata=dict(item.metadata))
                    for i in range(self.cfg.group_size)]
@@ -239,7 +228,7 @@ class RolloutManager:
             self.metrics.lengths.dropped(s, kind)
         if reason is DropReason.STALE:
             self.metrics.stale_dropped += len(group.samples)
-            if self.cfg.stale_policy is StalePolicy.regenerate:
+            if self.staleness.regenerates:
                 for s in group.samples:
                     s.reset()
                 self.resume.append(group)
@@ -259,8 +248,9 @@ class RolloutManager:
             for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
                 self.ready.remove(group)
                 self._drop(group, DropReason.STALE)
-            risky = self._risky_running()
-            if len(self.ready) >= self.cfg.batch_size and not self._waits_for_old(risky):
+            risky = self.staleness.risky(self.running.values(), self.trainer_version)
+            if len(self.ready) >= self.cfg.batch_size and not self.staleness.waits_for_old(self.ready, risky,
+                                                                                          self.trainer_version):
                 break
             if waited_from is None and risky:
                 waited_from = time.monotonic()
@@ -273,46 +263,17 @@ class RolloutManager:
         if waited_from is not None:
             self.metrics.waits_for_old += 1
             self.metrics.wait_for_old_s += time.monotonic() - waited_from
-        groups = self._take_batch()
+        ordered = self.staleness.batch_order(self.ready, self.trainer_version)
+        groups, self.ready = ordered[:self.cfg.batch_size], collections.deque(ordered[self.cfg.batch_size:])
         self.consumed_groups += len(groups)
         for g in groups:
             for s in g.samples:
                 self.metrics.lengths.trained(s)
-                self.metrics.tokens_masked_old += self._mask_old_tokens(s)
+                self.metrics.tokens_masked_old += self.staleness.mask_old(s, self.trainer_version)
         self._filtered = 0
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
         return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
-
-    def _waits_for_old(self, risky_running: list[Group]) -> bool:
-        """stale_policy wait, with a batch's worth ready: wait while an at-risk group still runs and
-        the at-risk groups ready leave it room in the batch."""
-        if not risky_running:
-            return False
-        risky_ready = sum(self.staleness.at_risk(g, self.trainer_version) for g in self.ready)
-        return risky_ready < self.cfg.batch_size
-
-    def _take_batch(self) -> list[Group]:
-        """The first `batch_size` ready groups; with stale_policy wait, the oldest first (earliest
-        deadline first: a group's deadline is its oldest token's version + max_staleness), so the
-        at-risk ones go now and fewer come due together later."""
-        if self.cfg.stale_policy is StalePolicy.wait:
-            self.ready = collections.deque(sorted(self.ready, key=lambda g: g.staleness(self.trainer_version),
-                                                  reverse=True))
-        return [self.ready.popleft() for _ in range(self.cfg.batch_size)]
-
-    def _mask_old_tokens(self, sample: Sample) -> int:
-        """stale_policy keep: tokens more than max_token_age versions behind the trainer leave the
-        loss (loss_mask 0); the rest of the sample is trained on. Returns how many were masked."""
-        age = self.cfg.max_token_age
-        if self.cfg.stale_policy is not StalePolicy.keep or age < 0:
-            return 0
-        masked = 0
-        for i, v in enumerate(sample.versions):
-            if v >= 0 and sample.loss_mask[i] and self.trainer_version - v > age:
-                sample.loss_mask[i] = 0
-                masked += 1
-        return masked
 
     async def on_weights_updated(self, version: int, wait: bool = False) -> None:
         """The trainer published `version`: apply the in-flight policy; aborted samples resume on it.
@@ -332,7 +293,7 @@ class RolloutManager:
     def _policy_aborts(self, skip: set[str]) -> list[str]:
         # stale_policy wait: the next batch waits on the at-risk groups; an abort would only add a
         # re-prefill to that wait
-        risky = {g.group_id for g in self._risky_running()}
+        risky = {g.group_id for g in self.staleness.risky(self.running.values(), self.trainer_version)}
         rids = [rid for rid, r in self.inflight.items() if rid not in skip and r.sample.group_id not in risky]
         policy = self.cfg.update_policy
         if policy is UpdatePolicy.abort_all:

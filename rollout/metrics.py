@@ -140,7 +140,7 @@ class BatchReport:
             "tokens_per_s_by_server": by_server,
             **gauges,
             "staleness_hist": dict(sorted(staleness.items())),
-            "max_staleness": max(staleness),
+            "staleness_max": max(staleness),
             "reward_mean": trained_reward,        # the trained batch
             # every group scored since the last batch, filtered ones included (the batch's own
             # groups when it was ready before then)

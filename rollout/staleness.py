@@ -1,24 +1,31 @@
-"""Staleness: every decision about how old a group's tokens may be, from one formula.
+"""Staleness: every decision about how old a group's tokens may be, from one formula and one policy.
 
 A token generated under weight version v is `trainer_version - v` versions stale, and a group is
-trained on whole, so a group is `consumable` while its oldest token is within `max_staleness`
-(`Group.staleness(trainer_version) <= max_staleness`). Each point where age matters asks here:
+trained on whole, so a group is `consumable` while its oldest token is within the bound,
+`rollout.max_staleness` (`Group.staleness(trainer_version) <= bound`). What the bound means depends
+on `stale_policy` (config.StalePolicy): with drop / regenerate / wait no trained token is older than
+the bound; with keep (the default) the bound paces admission only and tokens older than
+`max_token_age` are masked. The batch metric `staleness_max` is what was observed. Each point where
+age matters asks here:
 
 - `may_start` (capacity, as AReaL): a group started now is consumed before the trainer passes
-  version trainer_version + max_staleness, given one batch per version, while
-  consumed + in_progress < (trainer_version + max_staleness + 1) * batch_size, counted from start();
+  version trainer_version + bound, given one batch per version, while
+  consumed + in_progress < (trainer_version + bound + 1) * batch_size, counted from start();
 - `admit`, before every request of a trajectory: a group that already broke the bound stops,
   siblings included (their tokens could never be trained);
 - `doomed`, when a version lands: requests in flight whose group can no longer be consumed in time
   (a token of it is too old, or a request has run since a version that now is);
 - `consumable`, at hand-out; `ahead`, whether the next two batches are ready and consumable;
-- `at_risk` (stale_policy wait): a group the next version would put past the bound, so the batch
-  handed out now must take it.
+- `risky` / `waits_for_old` / `batch_order` (wait): groups the next version would put past the
+  bound, whether the batch waits for those still running, and the oldest ready groups first;
+- `regenerates` (regenerate): a group dropped for its age runs again; `mask_old` (keep): the
+  tokens past max_token_age leave the loss.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
+from rollout.config import StalePolicy
 from rollout.types import Group, Sample
 
 
@@ -27,10 +34,13 @@ class StaleSample(Exception):
 
 
 class Staleness:
-    def __init__(self, max_staleness: int, batch_size: int, keep: bool = False):
-        """`keep` (stale_policy keep): the bound paces admission only; nothing is stopped or
-        refused for its age (the trainer masks tokens past max_token_age instead)."""
-        self.bound, self.batch_size, self.keep = max_staleness, batch_size, keep
+    def __init__(self, max_staleness: int, batch_size: int, policy: StalePolicy = StalePolicy.drop,
+                 max_token_age: int = -1):
+        """Under `policy` keep the bound paces admission only; nothing is stopped or refused for its
+        age (tokens past `max_token_age` are masked instead)."""
+        self.bound, self.batch_size, self.policy, self.max_token_age = max_staleness, batch_size, policy, max_token_age
+        self.keep = policy is StalePolicy.keep
+        self.regenerates = policy is StalePolicy.regenerate
         self._base = (0, 0)                  # trainer version and consumed groups at start()
 
     def start(self, trainer_version: int, consumed: int) -> None:
@@ -75,3 +85,39 @@ class Staleness:
     def ahead(self, ready: Iterable[Group], trainer_version: int) -> bool:
         """Groups ready and consumable for the next two batches."""
         return sum(self.consumable(g, trainer_version) for g in ready) >= 2 * self.batch_size
+
+    # ---- stale_policy wait ----------------------------------------------------------------------
+    def risky(self, running: Iterable[Group], trainer_version: int) -> list[Group]:
+        """stale_policy wait: running groups the next version would put past the bound (their
+        requests are not aborted for a new version: that would only add a re-prefill to the wait)."""
+        if self.policy is not StalePolicy.wait:
+            return []
+        return [g for g in running if self.at_risk(g, trainer_version)]
+
+    def waits_for_old(self, ready: Iterable[Group], risky_running: list[Group], trainer_version: int) -> bool:
+        """With a batch's worth ready: wait while an at-risk group still runs and the at-risk
+        groups ready leave it room in the batch."""
+        if not risky_running:
+            return False
+        return sum(self.at_risk(g, trainer_version) for g in ready) < self.batch_size
+
+    def batch_order(self, ready: Iterable[Group], trainer_version: int) -> list[Group]:
+        """The order batches take ready groups in: as they came, or with stale_policy wait the oldest
+        first (earliest deadline first: a group's deadline is its oldest token's version + bound),
+        so the at-risk ones go now and fewer come due together later."""
+        if self.policy is not StalePolicy.wait:
+            return list(ready)
+        return sorted(ready, key=lambda g: g.staleness(trainer_version), reverse=True)
+
+    # ---- stale_policy keep ----------------------------------------------------------------------
+    def mask_old(self, sample: Sample, trainer_version: int) -> int:
+        """stale_policy keep: tokens more than max_token_age versions behind the trainer leave the
+        loss (loss_mask 0); the rest of the sample is trained on. Returns how many were masked."""
+        if not self.keep or self.max_token_age < 0:
+            return 0
+        masked = 0
+        for i, v in enumerate(sample.versions):
+            if v >= 0 and sample.loss_mask[i] and trainer_version - v > self.max_token_age:
+                sample.loss_mask[i] = 0
+                masked += 1
+        return masked

@@ -21,10 +21,6 @@ class SampleStatus(str, enum.Enum):
     def finished(self) -> bool:
         return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED, SampleStatus.FAILED)
 
-    @property
-    def trainable(self) -> bool:
-        return self in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
-
 
 class DropReason(str, enum.Enum):
     """Why the manager dropped a group (a user's filter may give its own reason, as a string)."""

@@ -61,14 +61,14 @@ def main() -> None:
 
     if rank == 1 and a.die_at_message >= 0:        # lose this rank after N buckets' gathers
         seen = [0]
-        receive = sharded._receive
+        receive = sharded.listen
 
         def dying(group):
             if seen[0] == a.die_at_message:
                 os._exit(3)
             seen[0] += 1
             return receive(group)
-        sharded._receive = dying
+        sharded.listen = dying
 
     sync = WeightSync(a.url.split(","), bucket_bytes=a.bucket_kb << 10, timeout_s=20,
                       topology=a.topology) if rank == 0 else None

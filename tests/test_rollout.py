@@ -73,7 +73,7 @@ def test_groups_of_n_make_a_padded_batch(servers, tokenizer):
     assert batch.input_ids.shape[0] == 8 and int(batch.loss_mask.sum()) == 8 * 16
     assert batch.group_index.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
     assert (batch.behaviour_logprobs[batch.loss_mask == 0] == 0).all() and (batch.behaviour_logprobs[batch.loss_mask == 1] < 0).all()
-    assert metrics["samples_per_s"] > 0 and metrics["max_staleness"] == 0
+    assert metrics["samples_per_s"] > 0 and metrics["staleness_max"] == 0
 
 
 def test_oversampling_fills_a_batch_while_slow_groups_keep_running(servers, tokenizer):
@@ -194,7 +194,7 @@ def test_wait_paces_instead_of_dropping_long_samples(servers, tokenizer, hf_mode
             for _ in range(12):
                 groups, metrics = await m.next_batch()
                 trained += [s for g in groups for s in g.samples]
-                assert metrics["max_staleness"] <= 1
+                assert metrics["staleness_max"] <= 1
                 version += 1
                 await asyncio.to_thread(sync.push, hf_model, version)
                 await m.on_weights_updated(version)

@@ -179,7 +179,7 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     # so the test asks that reward rose, and leaves staying up to bench/stability.py.
     first, best = rose([r["reward/mean"] for r in lines])
     assert best > first + 0.05, (first, best, result)
-    assert all(r["max_staleness"] <= 1 for r in lines)
+    assert all(r["staleness_max"] <= 1 for r in lines)
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s"):
         assert key in lines[-1]
@@ -199,7 +199,7 @@ def test_two_trainer_ranks_learn_about_as_well_per_step_as_one(short_run):
     assert best > first + 0.05, (first, best, result)
     late = [sum(r["reward/mean"] for r in run[25:]) / 25 for run in (one, two)]
     assert late[1] > late[0] - 0.25, late             # 2.5 stds of the difference of two runs' means
-    assert all(r["max_staleness"] <= 1 for r in two)
+    assert all(r["staleness_max"] <= 1 for r in two)
     assert two[-1]["sync/egress_bytes/rank0"] > 0 and two[-1]["sync/egress_bytes/rank1"] > 0    # each its own shard
     log = (tmp_path / "run" / "logs" / "trainer_rank1.log")
     assert log.exists()                                 # rank 1 ran as its own process, and is gone

@@ -37,12 +37,14 @@ import torch
 
 from rollout.agent import RolloutFn, single_turn
 from rollout.config import RolloutConfig
+from rollout.data import prompt_ids
 from rollout.service import LocalRollout, RolloutSpec, ThreadRollout
 from trainer_bridge import grpo
 from trainer_bridge.batch import Batch, TrainBatch
-from trainer_bridge.config import ClusterConfig, ServerConfig, TaskConfig, WeightSyncConfig, model_context
+from trainer_bridge.config import (ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
+                                   model_context)
 from trainer_bridge.fleet import LocalFleet
-from trainer_bridge.tasks import DIGIT_TASKS, dataset_items, digit_items
+from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,15 @@ class BackendConfig:
     seed: int = 0
     log_dir: str = ""
 
+    @classmethod
+    def of_job(cls, job: JobConfig, log_dir: str = "") -> "BackendConfig":
+        """The rollout side of a riptide-train job (its sections as they are, the trainer's reward
+        shaping, the model it starts from)."""
+        t = job.trainer
+        return cls(model_path=str(job.model.path), task=job.task, rollout=job.rollout, server=job.server,
+                   weight_sync=job.weight_sync, cluster=job.cluster, normalize_std=t.normalize_std, seed=job.seed,
+                   overlong_buffer=t.overlong_buffer, overlong_penalty=t.overlong_penalty, log_dir=log_dir)
+
 
 def task_items(task: TaskConfig, seed: int) -> list[dict]:
     if task.name in DIGIT_TASKS:
@@ -78,12 +89,8 @@ def check_prompts(items: list[dict], tokenizer, rollout: RolloutConfig, context_
     chat = rollout.chat_template(tokenizer)
     texts = [str(item["prompt"]) for item in items]
     if chat:
-        def count(text: str) -> int:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True)
-            return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        lengths = [count(t) for t in texts[:2000]]
-    else:
+        lengths = [len(prompt_ids(tokenizer, t, chat)) for t in texts[:2000]]
+    else:                                # one batched call: datasets run to many thousand prompts
         lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + rollout.max_new_tokens > context_length:

@@ -21,13 +21,14 @@ def callable_problem(name: str, spec: str, builtin: tuple = ()) -> str | None:
         return None
     if ":" not in spec:
         return f"{name}={spec!r}: use module:function" + (f" or one of {', '.join(builtin)}" if builtin else "")
-    from rollout.rewards import import_module
-    module, _, attr = spec.partition(":")
+    from rollout.rewards import load_callable
     try:
-        fn = getattr(import_module(module), attr)
+        load_callable(spec)
+    except ValueError as e:
+        return f"{name}={e}"
     except Exception as e:       # noqa: BLE001  any import failure is the user's to see, named
         return f"{name}={spec!r}: cannot load it ({type(e).__name__}: {e})"
-    return None if callable(fn) else f"{name}={spec!r} is not a function"
+    return None
 
 
 def f(default, help: str, **kw):
@@ -80,11 +81,11 @@ class TaskConfig:
     path: str = f("", "dataset: a JSONL or Parquet file of prompt/answer rows")
     prompt_key: str = f("prompt", "dataset: the prompt column")
     answer_key: str = f("answer", "dataset: the answer column")
-    reward: str = f("trainer_bridge.tasks:partial_credit",
+    reward: str = f("rollout.tasks:partial_credit",
                     "module:function (async (sample) -> float) or exact_match | math_answer | format_check")
 
     def problems(self) -> list[str]:
-        from trainer_bridge.tasks import DIGIT_TASKS
+        from rollout.tasks import DIGIT_TASKS
         out = []
         if self.name not in (*DIGIT_TASKS, "dataset"):
             out.append(f"task.name={self.name!r}: use one of {', '.join(DIGIT_TASKS)} or dataset (with task.path)")

@@ -130,7 +130,7 @@ class Monitor:
             self.run.log(payload, step=step)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(reward=f"{flat.get('reward/mean', 0):.3f}", stale=metrics.get("max_staleness", 0))
+            self.bar.set_postfix(reward=f"{flat.get('reward/mean', 0):.3f}", stale=metrics.get("staleness_max", 0))
 
     def finish(self) -> str:
         if self.bar is not None:
@@ -170,7 +170,7 @@ class Monitor:
         a.set(xlabel="step", ylabel="reward / accuracy", title="reward")
         b.plot(steps, series("response/length_mean"), label="mean response length")
         b.set(xlabel="step", ylabel="tokens", title="response length")
-        c.plot(steps, series("max_staleness"), label="max staleness (versions)", drawstyle="steps-post")
+        c.plot(steps, series("staleness_max"), label="max staleness observed (versions)", drawstyle="steps-post")
         c.plot(steps, series("rollout/inflight"), label="requests in flight", alpha=0.6)
         c.set(xlabel="step", title="staleness and in-flight requests")
         d.plot(steps, series("rollout/tokens_per_s"), label="generated tokens/s (servers)")

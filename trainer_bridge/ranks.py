@@ -24,18 +24,20 @@ import datetime
 import logging
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from inference_server.process import free_port
+from platforms import usable_cores
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import ConfigError, JobConfig, redacted
-from weight_sync.sharded import _receive, _send
+from weight_sync.sharded import announce, listen
 
 log = logging.getLogger(__name__)
 _TRAIN, _SAVE, _STOP = "train", "save", "stop"
@@ -61,9 +63,9 @@ class Lead:
         except Exception as e:      # noqa: BLE001  the group broke: the ranks are stopped by the launcher
             log.warning("could not tell the other trainer ranks to stop: %s", e)
 
-    def _send(self, message) -> None:
+    def announce(self, message) -> None:
         if self.world > 1:
-            _send(message)
+            announce(message)
 
 
 def follow(model, trainer, first_step: int) -> None:
@@ -79,7 +81,7 @@ def follow(model, trainer, first_step: int) -> None:
 
     push(first_step)
     while True:
-        message = _receive()
+        message = listen()
         if message[0] == _TRAIN:
             _, step, tensors = message
             n = tensors["input_ids"].shape[0]
@@ -92,7 +94,7 @@ def follow(model, trainer, first_step: int) -> None:
 
 
 @contextlib.contextmanager
-def trainer_ranks(job: JobConfig):
+def trainer_ranks(job: JobConfig, entry: Callable[[JobConfig], object]):
     """The trainer's process group for the job's world size: yields this process's Lead (rank 0)
     or its rank's (the others). Stops the ranks it started and leaves the group on exit."""
     from platforms import choose_device, dist_backend
@@ -116,10 +118,9 @@ def trainer_ranks(job: JobConfig):
     if job.cluster.kind == "ray":
         from trainer_bridge.ray_fleet import RayRanks, connect, node_address
         connect(job.cluster)
-        from inference_server.process import free_port
         master = node_address()
         port = free_port(master)
-        ranks = RayRanks(redacted(job), k, master, port)
+        ranks = RayRanks(redacted(job), k, master, port, entry)
     else:
         master = "127.0.0.1"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")        # one machine: the ranks talk over loopback
@@ -143,8 +144,6 @@ class _LocalRanks:
     """Ranks 1..k-1 as processes on this machine, each with cores // k threads and a log of its own."""
 
     def __init__(self, job: JobConfig, k: int):
-        from platforms import usable_cores
-        from inference_server.process import free_port
         logs = Path(job.run_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         spec = logs / "trainer_job.pkl"
@@ -159,7 +158,7 @@ class _LocalRanks:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "OMP_NUM_THREADS": threads,
                    "RIPTIDE_PARENT_PID": str(os.getpid())}
             with open(self.logs[-1], "ab") as out:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.ranks", str(spec)],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.rank_entry", str(spec)],
                                                    env=env, stdout=out, stderr=subprocess.STDOUT,
                                                    start_new_session=True))
 
@@ -193,23 +192,3 @@ def _watch(ranks) -> threading.Event:
 
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
     return formed
-
-
-def main(spec: str) -> None:
-    """A rank started by rank 0: the job from its pickle, the group from the environment."""
-    from inference_server.process import watch_parent
-    watch_parent(int(os.environ["RIPTIDE_PARENT_PID"]))
-    for sig in (signal.SIGINT, signal.SIGTERM):      # rank 0 decides when the job stops
-        signal.signal(sig, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    job: JobConfig = pickle.loads(Path(spec).read_bytes())
-    from trainer_bridge.run import run
-    run(job)
-    # the group is gone; the transfer engine's teardown joins a thread that polls once a second
-    sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

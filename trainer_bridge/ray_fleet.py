@@ -203,22 +203,22 @@ class RayFleet:
 class RankActor:
     """One trainer rank other than 0: the job's trainer side, following rank 0 (trainer_bridge.ranks)."""
 
-    def run(self, job, rank: int, world: int, master: str, port: int, threads: int) -> None:
+    def run(self, entry, job, rank: int, world: int, master: str, port: int, threads: int) -> None:
+        """`entry(job)`: the job's function (trainer_bridge.run.run), sent by reference."""
         import os
 
         import torch
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR=master, MASTER_PORT=str(port),
                           LOCAL_RANK="0")      # Ray shows the actor only its own accelerator, as device 0
         torch.set_num_threads(threads)
-        from trainer_bridge.run import run
-        run(job)
+        entry(job)
 
 
 class RayRanks:
     """Ranks 1..k-1 as Ray actors, in one placement group (PACK: together where they fit), each
     bundle `cluster.trainer_cpus` CPUs plus an accelerator when the trainer runs on one."""
 
-    def __init__(self, job, world: int, master: str, port: int):
+    def __init__(self, job, world: int, master: str, port: int, entry):
         """On a connected cluster (trainer_ranks joined it for rank 0's address)."""
         bundle = server_bundle(job.trainer.device, job.cluster.trainer_cpus, 1)
         self.group = placement_group([bundle] * (world - 1), strategy="PACK")
@@ -229,7 +229,7 @@ class RayRanks:
             remove_placement_group(self.group)
             raise
         self.actors = [in_bundle(RankActor, bundle, self.group, i).remote() for i in range(world - 1)]
-        self.runs = [a.run.remote(job, i + 1, world, master, port, max(1, int(bundle.get("CPU", 1))))
+        self.runs = [a.run.remote(entry, job, i + 1, world, master, port, max(1, int(bundle.get("CPU", 1))))
                      for i, a in enumerate(self.actors)]
 
     def failure(self) -> str | None:

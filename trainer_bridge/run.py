@@ -83,14 +83,14 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "rollout/tokens_per_s": r["tokens_per_s"], "rollout/samples_per_s": r["samples_per_s"],
            "rollout/inflight": r["inflight"], "rollout/tokens_aborted": r["tokens_aborted"],
            "rollout/tokens_resumed": r["tokens_resumed"], "rollout/tokens_wasted": r["tokens_wasted"],
-           "rollout/retries": r["retries"], "rollout/max_staleness": r["max_staleness"],
+           "rollout/retries": r["retries"], "rollout/staleness_max": r["staleness_max"],
            "rollout/policy_aborts": r["policy_aborts"], "rollout/policy_held": r["policy_held"],
            "time/wait_for_data_s": seconds["wait"], "time/train_s": seconds["train"],
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
            "sync/egress_bytes": sync.egress_bytes,
            **{f"sync/egress_bytes/rank{r}": b for r, b in enumerate(sync.egress_by_rank or [])},
-           "max_staleness": r["max_staleness"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
+           "staleness_max": r["staleness_max"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
            **({"reward/overlong_penalty": r["overlong_penalty_mean"]} if "overlong_penalty_mean" in r else {}),
            "length/bias": r["length_bias"], "length/generated_mean": r["generated_mean_len"],
            "length/trained_mean": r["trained_mean_len"],
@@ -133,7 +133,7 @@ def run(job: JobConfig) -> dict | None:
     job = job.validate()
     if job.mode == "sync":
         job = sync_mode(job)
-    with trainer_ranks(job) as lead:
+    with trainer_ranks(job, run) as lead:
         return _run(job, lead)
 
 
@@ -149,29 +149,29 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         box = [job.run_dir, resume]   # may differ; a rank on another host may not see either)
         torch.distributed.broadcast_object_list(box, src=0)
         job, run_dir, resume = dataclasses.replace(job, run_dir=box[0]), Path(box[0]), box[1]
-    model_path = str(Path(job.model.path))
-    ckpt_dir = run_dir / "checkpoints"
-    model, from_rank0 = load_model(str(resume or model_path), lead)
+    start_from = str(resume or Path(job.model.path))
+    model, from_rank0 = load_model(start_from, lead)
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)     # sharded on k ranks
     if from_rank0:
-        trainer.load_weights_from_rank0(str(resume or model_path))
+        trainer.load_weights_from_rank0(start_from)
     if lead.rank != 0:
         follow(model, trainer, trainer.load(resume)[0] if resume is not None else 0)
         return None
-    backend = RolloutBackend(BackendConfig(model_path=model_path, task=job.task, rollout=job.rollout,
-                                           server=job.server, weight_sync=job.weight_sync, cluster=job.cluster,
-                                           normalize_std=job.trainer.normalize_std, seed=job.seed,
-                                           overlong_buffer=job.trainer.overlong_buffer,
-                                           overlong_penalty=job.trainer.overlong_penalty,
-                                           log_dir=str(run_dir / "logs")),
+    backend = RolloutBackend(BackendConfig.of_job(job, str(run_dir / "logs")),
                              rollout_fn=get_rollout_fn(job.rollout.rollout_fn))
     first_step = 0
     if resume is not None:
         first_step, rollout_state = trainer.load(resume)
         backend.load_state_dict(rollout_state)
         log.info("resuming from %s at step %d", resume, first_step)
+    return _train(job, lead, run_dir, model, trainer, backend, first_step)
 
-    saved_step = None
+
+def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTrainer, backend: RolloutBackend,
+           first_step: int) -> dict:
+    """Rank 0's steps from `first_step`: a batch, a train step (every rank), a push; checkpoints;
+    a signal ends it after the step under way, saved."""
+    ckpt_dir, saved_step = run_dir / "checkpoints", None
 
     def save(step: int) -> Path:
         nonlocal saved_step

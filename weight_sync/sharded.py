@@ -90,7 +90,7 @@ class _GatherPush:
         gathered now, every rank told first which ones."""
         names = list(dict.fromkeys(p.name for p in bucket.pieces))
         gather = [n for n in names if n not in self._held and isinstance(self.tensors[n], self._dtensor)]
-        _send((_GO, ("gather", gather)), self.group)
+        announce((_GO, ("gather", gather)), self.group)
         out = {}
         for n in names:
             if n in self._held:
@@ -115,11 +115,13 @@ def _host(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return to_host(t.to(dtype) if t.dtype != dtype else t)
 
 
-def _send(message, group=None) -> None:
+def announce(message, group=None) -> None:
+    """Rank 0 (the group's first rank) tells every rank of `group` one picklable message."""
     torch.distributed.broadcast_object_list([message], src=_src(group), group=group)
 
 
-def _receive(group=None):
+def listen(group=None):
+    """What rank 0 of `group` announced (every other rank calls this while rank 0 announces)."""
     box = [None]
     torch.distributed.broadcast_object_list(box, src=_src(group), group=group)
     return box[0]
@@ -145,7 +147,7 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
     tensors = named_weights(model)
     if rank != 0:
         return _follow(tensors, mode, group)
-    _send((_PLAN, mode), group)
+    announce((_PLAN, mode), group)
     t0 = time.perf_counter()
     try:
         if mode == "direct":
@@ -154,18 +156,18 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
             stats = _GatherPush(sync, tensors, group).push(version, InFlight(inflight))
     except BaseException as e:
         try:
-            _send((_FAILED, f"{type(e).__name__}: {e}"), group)
+            announce((_FAILED, f"{type(e).__name__}: {e}"), group)
         except Exception:     # a rank that died mid-push is why it failed: the others learn it from the group
             pass
         raise
-    _send((_DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
+    announce((_DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
                    "seconds": time.perf_counter() - t0, "serving": stats.serving}), group)
     return stats
 
 
 def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
     """A rank other than 0: do what rank 0 says, bucket by bucket, until it says how it ended."""
-    kind, body = _receive(group)
+    kind, body = listen(group)
     if kind == _FAILED:
         raise WeightSyncError(f"the push failed on rank 0: {body}")
     if kind != _PLAN or body not in MODES:
@@ -176,7 +178,7 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
     writer: _RankWriter | None = None
     peak = 0
     while True:
-        kind, body = _receive(group)
+        kind, body = listen(group)
         if kind == _GO and body[0] == "gather":
             held = [tensors[n].detach().full_tensor() for n in body[1] if isinstance(tensors[n], dtensor)]
             peak = max(peak, sum(t.nbytes for t in held))
@@ -337,7 +339,7 @@ class _DirectPush:
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
-        _send((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
+        announce((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
         writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
@@ -371,7 +373,7 @@ class _DirectPush:
                     live = [peers[i] for i in fan.children(TRAINER)]
                     written[k] = {id(p) for p in live}
                     targets = [(p.reply.session, p.reply.slot_addrs[k % n]) for p in live]
-                    _send((_GO, ("write", k, targets)), self.group)
+                    announce((_GO, ("write", k, targets)), self.group)
                     results = _gather(writer.write(k, targets), self.group)
                     parts = [part for r in results for part in r[0]]
                     if not stats.egress_by_rank:
