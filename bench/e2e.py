@@ -119,7 +119,7 @@ WORKLOADS = {
 
 
 def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: Path) -> tuple[dict, list[dict], float]:
-    from trainer_bridge.run import run
+    from trainer_bridge.job.run import run
     from trainer_bridge.train import compose_job
 
     run_dir = root / f"{workload}-{seed}-{mode}"

@@ -80,7 +80,7 @@ def configs(model_path: str, address: str, n: int = 2, topology: str = "tree"):
 def pushes(cfg, model, sizes: list[int], count: int) -> dict:
     import torch
 
-    from trainer_bridge.ray_fleet import RayFleet
+    from trainer_bridge.fleets.ray_cluster import RayFleet
     from weight_sync import live_digest, named_weights
     from weight_sync.sender import WeightSync
     fleet = RayFleet(cfg.model_path, cfg.server, cfg.weight_sync, cfg.cluster)

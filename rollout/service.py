@@ -3,7 +3,7 @@
 `RolloutService` is what runs there: the manager, its router and clients, the data, the tokenizer
 and the reward, on one event loop that keeps running between calls. Every method is a coroutine on
 that loop. Two hosts run it: `LocalRollout` (here) in a subprocess, spoken to over a pipe, and a Ray
-actor (`trainer_bridge.ray_fleet.RayRollout`) under `cluster=ray`. Both give the trainer the same
+actor (`trainer_bridge.fleets.ray_cluster.RayRollout`) under `cluster=ray`. Both give the trainer the same
 blocking `call(method, *args)`; `RolloutBackend` uses nothing else. What crosses is plain data:
 groups of samples, metrics dicts, state dicts.
 """

@@ -180,7 +180,7 @@ def test_a_short_grpo_run_with_cluster_ray(cluster, chars_model, tmp_path):
     from hydra import compose, initialize_config_dir
 
     from tests.test_trainer_bridge import FAST as JOB_FAST
-    from trainer_bridge.run import run
+    from trainer_bridge.job.run import run
     from trainer_bridge.train import to_job
     c, _ = cluster
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base=None):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer_bridge.grpo import (
+from trainer_bridge.training.grpo import (
     group_advantages,
     kl_k3,
     logprob_mismatch,

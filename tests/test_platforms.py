@@ -108,7 +108,7 @@ def test_an_npu_binds_its_device_before_its_transfer_engine_starts(fake):
 
 
 def test_local_servers_each_get_their_own_accelerator(fake):
-    from trainer_bridge.fleet import device_env
+    from trainer_bridge.fleets.local import device_env
     fake("cuda", FakeRuntime(count=4))
     assert [device_env("cuda", i) for i in (0, 1, 5)] == [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"},
                                                           {"CUDA_VISIBLE_DEVICES": "1"}]

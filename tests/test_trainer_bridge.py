@@ -90,7 +90,7 @@ def test_ppo_epochs_make_the_clip_act(tiny_model):
 
     from trainer_bridge.batch import TrainBatch
     from trainer_bridge.config import TrainerConfig
-    from trainer_bridge.trainer import GRPOTrainer
+    from trainer_bridge.training.trainer import GRPOTrainer
 
     def batch(seed: int) -> TrainBatch:
         g = torch.Generator().manual_seed(seed)
@@ -123,7 +123,7 @@ def test_ppo_epochs_make_the_clip_act(tiny_model):
 def test_overlong_penalty_is_dapos_soft_punishment():
     import torch
 
-    from trainer_bridge.grpo import overlong_penalty
+    from trainer_bridge.training.grpo import overlong_penalty
     got = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, penalty=1.0)
     assert got.tolist() == [0.0, 0.0, -0.5, -1.0]
     assert overlong_penalty(torch.tensor([16]), 16, 0).tolist() == [0.0]
@@ -131,7 +131,7 @@ def test_overlong_penalty_is_dapos_soft_punishment():
 
 def test_lr_schedule_warms_up_then_decays_to_its_floor():
     from trainer_bridge.config import TrainerConfig
-    from trainer_bridge.trainer import lr_at
+    from trainer_bridge.training.trainer import lr_at
     cfg = TrainerConfig(steps=11, lr=1.0, lr_schedule="cosine", lr_warmup_steps=2, min_lr_ratio=0.1)
     lrs = [lr_at(cfg, s) for s in range(11)]
     assert lrs[:3] == [0.5, 1.0, 1.0] and abs(lrs[-1] - 0.1) < 1e-9
@@ -203,7 +203,7 @@ def test_two_trainer_ranks_learn_about_as_well_per_step_as_one(short_run):
     assert two[-1]["sync/egress_bytes/rank0"] > 0 and two[-1]["sync/egress_bytes/rank1"] > 0    # each its own shard
     log = (tmp_path / "run" / "logs" / "trainer_rank1.log")
     assert log.exists()                                 # rank 1 ran as its own process, and is gone
-    assert not [pid for pid in pids_running("trainer_bridge.ranks") if str(tmp_path) in cmdline(pid)]
+    assert not [pid for pid in pids_running("trainer_bridge.training.ranks") if str(tmp_path) in cmdline(pid)]
     assert servers_of(tmp_path) == []
 
 
@@ -232,7 +232,7 @@ def test_resume_continues_steps_curve_and_data(tmp_path):
     assert [r["step"] for r in lines] == list(range(7))
     # the schedule goes on from the checkpoint's step (not from 0): steps 4-6 of a 7-step cosine decay
     from trainer_bridge.config import TrainerConfig
-    from trainer_bridge.trainer import lr_at
+    from trainer_bridge.training.trainer import lr_at
     cosine = TrainerConfig(steps=7, lr=0.004, lr_schedule="cosine", min_lr_ratio=0.1)
     assert [round(r["train/lr"], 9) for r in lines[4:]] == [round(lr_at(cosine, s), 9) for s in (4, 5, 6)]
     assert lines[-1]["train/lr"] < lines[4]["train/lr"] < 0.004
@@ -346,7 +346,7 @@ def test_a_multi_turn_rollout_fn_from_the_config_masks_its_tool_output(tmp_path)
     from rollout.config import RolloutConfig
     from trainer_bridge.backend import BackendConfig, RolloutBackend
     from trainer_bridge.config import TaskConfig
-    from trainer_bridge.run import ensure_model
+    from trainer_bridge.job.run import ensure_model
     from trainer_bridge.train import compose_job
     job = compose_job([f"model.path={tmp_path / 'model'}", "task=add", f"run_dir={tmp_path / 'run'}",
                        "rollout.rollout_fn=examples.tool_rollout:calculator",

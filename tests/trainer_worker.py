@@ -1,4 +1,4 @@
-"""One rank of Riptide's built-in GRPO trainer (trainer_bridge.trainer.GRPOTrainer) on a fixed batch,
+"""One rank of Riptide's built-in GRPO trainer (trainer_bridge.training.trainer.GRPOTrainer) on a fixed batch,
 for tests/test_sharded.py: alone (no WORLD_SIZE), or as one of k gloo ranks (env RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT, as torchrun sets them), where the trainer shards the model with FSDP2.
 
@@ -54,7 +54,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from trainer_bridge.config import TrainerConfig
-    from trainer_bridge.trainer import GRPOTrainer
+    from trainer_bridge.training.trainer import GRPOTrainer
     model = AutoModelForCausalLM.from_pretrained(a.resume or a.model_path, dtype=torch.float32)
     cfg = TrainerConfig(lr=3e-3, micro_batch_size=2, ppo_mini_batch_size=6, device="cpu")
     trainer = GRPOTrainer(model, cfg)

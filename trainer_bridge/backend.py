@@ -8,7 +8,7 @@
         backend.push_weights(model, version=step + 1)
     backend.close()
 
-Process layout: the servers are a fleet (fleet.py: subprocesses under `cluster=local`, Ray actors in
+Process layout: the servers are a fleet (fleets/: subprocesses under `cluster=local`, Ray actors in
 placement groups of their own under `cluster=ray`); the rollout manager runs in a process of its own
 (a subprocess, or a Ray actor), off the trainer's GIL, and this object talks to it by calls that
 carry plain data; the weight sender lives here, next to the model it reads.
@@ -38,12 +38,12 @@ import torch
 from rollout.agent import RolloutFn, single_turn
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
-from rollout.service import LocalRollout, RolloutSpec, ThreadRollout
-from trainer_bridge import grpo
+from rollout.service import RolloutSpec
+from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import (ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
                                    model_context)
-from trainer_bridge.fleet import LocalFleet
+from trainer_bridge.fleets import make_fleet, rollout_host
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
@@ -326,26 +326,17 @@ class RolloutBackend:
 
     def _make_fleet(self):
         c = self.cfg
-        if c.cluster.kind == "ray":
-            from trainer_bridge.ray_fleet import RayFleet
-            return RayFleet(c.model_path, c.server, c.weight_sync, c.cluster, c.seed)
-        return LocalFleet(c.model_path, c.server, c.weight_sync, c.seed, c.log_dir)
+        return make_fleet(c.model_path, c.server, c.weight_sync, c.cluster, c.seed, c.log_dir)
 
     def _host(self):
-        """Where the rollout manager runs: a process of its own (a Ray actor under cluster=ray), or
-        a thread here when asked, or when the rollout function lives in __main__ (no other process
-        can import it)."""
-        kind = self.cfg.cluster
-        if kind.rollout_process and getattr(self.rollout_fn, "__module__", None) == "__main__":
+        """Where the rollout manager runs (fleets.rollout_host): in a thread of this process when the
+        rollout function lives in __main__, which no other process can import."""
+        in_main = getattr(self.rollout_fn, "__module__", None) == "__main__"
+        if in_main and self.cfg.cluster.rollout_process:
             log.warning("the rollout function %s is defined in __main__, which another process cannot import: "
                         "the rollout manager runs in a thread of this process instead (move it to a module)",
                         self.rollout_fn.__name__)
-        elif kind.rollout_process and kind.kind == "ray":
-            from trainer_bridge.ray_fleet import RayRollout
-            return RayRollout()
-        elif kind.rollout_process:
-            return LocalRollout()
-        return ThreadRollout()
+        return rollout_host(self.cfg.cluster, in_thread=in_main)
 
     def __enter__(self) -> "RolloutBackend":
         return self

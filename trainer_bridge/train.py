@@ -122,7 +122,7 @@ def compose_job(overrides: list[str]) -> JobConfig:
 
 @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from trainer_bridge.run import SIGNAL, Stopped, run, stop_on_signal
+    from trainer_bridge.job.run import SIGNAL, Stopped, run, stop_on_signal
     logging.getLogger().setLevel(logging.WARNING)      # Hydra sets INFO: one line per HTTP request
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
@@ -132,7 +132,7 @@ def main(cfg: DictConfig) -> None:
         print("riptide-train: bad config:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
         sys.exit(2)
     if job.logger.native_logs == "file":
-        from trainer_bridge.monitor import native_logs_to
+        from trainer_bridge.job.monitor import native_logs_to
         native_logs_to(Path(job.run_dir) / "logs" / "native.log")
     import transformers
     transformers.utils.logging.disable_progress_bar()       # "Writing model shards" on every checkpoint

@@ -4,7 +4,7 @@ Rank 0 is the job itself (the backend, the monitor, the checkpoints' rollout sta
 train and push and nothing else. Under `torchrun` (RANK and WORLD_SIZE in the environment, on one
 machine or several) every process runs `riptide-train` and takes its rank from torchrun. Otherwise
 rank 0 starts the others: under `cluster=local` as processes on this machine (`python -m
-trainer_bridge.ranks JOB`, over loopback, each with its share of the cores; a rank whose parent is
+trainer_bridge.training.ranks JOB`, over loopback, each with its share of the cores; a rank whose parent is
 gone kills itself), under `cluster=ray` as Ray actors in a placement group (`ray_fleet.RayRanks`,
 `cluster.trainer_cpus` and an accelerator each), meeting rank 0 at its node's address. Rank 0
 stops them when it ends, however it ends. The ranks form a torch.distributed group (gloo on CPU,
@@ -116,7 +116,7 @@ def trainer_ranks(job: JobConfig, entry: Callable[[JobConfig], object]):
         yield Lead(0, 1)
         return
     if job.cluster.kind == "ray":
-        from trainer_bridge.ray_fleet import RayRanks, connect, node_address
+        from trainer_bridge.fleets.ray_cluster import RayRanks, connect, node_address
         connect(job.cluster)
         master = node_address()
         port = free_port(master)
@@ -158,7 +158,7 @@ class _LocalRanks:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "OMP_NUM_THREADS": threads,
                    "RIPTIDE_PARENT_PID": str(os.getpid())}
             with open(self.logs[-1], "ab") as out:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.rank_entry", str(spec)],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.training.rank_entry", str(spec)],
                                                    env=env, stdout=out, stderr=subprocess.STDOUT,
                                                    start_new_session=True))
 

@@ -4,7 +4,7 @@ One step: take a batch from the backend, recompute logprobs with the current wei
 gradient accumulation), clipped policy-gradient loss with truncated importance sampling against the
 server's behaviour logprobs, clip gradients, AdamW, push the new weights as version step + 1.
 
-On k ranks of a torch.distributed job (trainer.world_size=k, trainer_bridge/ranks.py) the model is
+On k ranks of a torch.distributed job (trainer.world_size=k, trainer_bridge/training/ranks.py) the model is
 sharded with FSDP2 (`fully_shard` on each decoder layer, then the root) and every rank gets the same
 batch: each mini-batch's rows are dealt round the ranks, every rank runs the same number of micro-
 batches (a rank short of rows runs one with no weight, as FSDP's collectives need every rank), the
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from platforms import platform_of, rank_device
-from trainer_bridge import grpo
+from trainer_bridge.training import grpo
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig
 

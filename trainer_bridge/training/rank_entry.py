@@ -1,8 +1,8 @@
-"""Trainer rank k > 0 started as a process by rank 0 (trainer_bridge.ranks._LocalRanks):
+"""Trainer rank k > 0 started as a process by rank 0 (trainer_bridge.training.ranks._LocalRanks):
 
-    python -m trainer_bridge.rank_entry <job pickle>
+    python -m trainer_bridge.training.rank_entry <job pickle>
 
-Its own module, so that nothing imports the job (trainer_bridge.run) back from the ranks."""
+Its own module, so that nothing imports the job (trainer_bridge.job.run) back from the ranks."""
 from __future__ import annotations
 
 import logging
@@ -16,7 +16,7 @@ import torch
 
 from inference_server.process import watch_parent
 from trainer_bridge.config import JobConfig
-from trainer_bridge.run import run
+from trainer_bridge.job.run import run
 
 
 def main(spec: str) -> None:

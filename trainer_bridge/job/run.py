@@ -18,9 +18,9 @@ from rollout.config import UpdatePolicy
 from trainer_bridge.backend import BackendConfig, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
-from trainer_bridge.monitor import Monitor
-from trainer_bridge.ranks import Lead, follow, trainer_ranks
-from trainer_bridge.trainer import GRPOTrainer
+from trainer_bridge.job.monitor import Monitor
+from trainer_bridge.training.ranks import Lead, follow, trainer_ranks
+from trainer_bridge.training.trainer import GRPOTrainer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def load_model(path: str, lead: Lead):
         seen = [None] * lead.world
         torch.distributed.all_gather_object(seen, readable)
         if not all(seen):
-            from trainer_bridge.fleet import model_files
+            from trainer_bridge.fleets.local import model_files
             box = [model_files(path) if lead.rank == 0 else None]
             torch.distributed.broadcast_object_list(box, src=0)
             if not readable:

@@ -24,7 +24,7 @@ from platforms import server_bundle
 from inference_server.process import ServerProcess, free_port, is_loopback
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
-from trainer_bridge.fleet import model_files, server_args
+from trainer_bridge.fleets.local import model_files, server_args
 
 log = logging.getLogger(__name__)
 
@@ -201,10 +201,10 @@ class RayFleet:
 
 # ---- trainer ranks 1..k-1 (trainer.world_size=k under cluster=ray) ---------------------------------------
 class RankActor:
-    """One trainer rank other than 0: the job's trainer side, following rank 0 (trainer_bridge.ranks)."""
+    """One trainer rank other than 0: the job's trainer side, following rank 0 (trainer_bridge.training.ranks)."""
 
     def run(self, entry, job, rank: int, world: int, master: str, port: int, threads: int) -> None:
-        """`entry(job)`: the job's function (trainer_bridge.run.run), sent by reference."""
+        """`entry(job)`: the job's function (trainer_bridge.job.run.run), sent by reference."""
         import os
 
         import torch

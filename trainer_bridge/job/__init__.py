@@ -1,0 +1,1 @@
+"""A riptide-train job top to bottom (run.py) and what it reports (monitor.py)."""
