@@ -178,7 +178,7 @@ async def server_stats(router) -> dict:
 # ---- (a) synchronous ----------------------------------------------------------------------------
 async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None):
     """One batch: every sample requested at once; returns samples, per-sample completion times, tokens."""
-    from rollout.types import Sample, SampleStatus
+    from rollout.types import Finish, Sample, SampleStatus
     t0 = time.monotonic() if t_start is None else t_start
     samples = []
     for _ in range(cfg.batch_size):
@@ -193,7 +193,7 @@ async def sync_batch(router, data, tokenizer, cfg, t_start: float | None = None)
         client = router.pick()           # least in flight: the batch spreads evenly over the servers
         gen = await router.call(client, client.generate(s.input_ids, params, f"sync-{s.uid}"))
         s.append_generated(gen.output_ids, gen.logprobs, gen.versions)
-        s.status = SampleStatus.TRUNCATED if gen.finish_type == "length" else SampleStatus.COMPLETED
+        s.status = SampleStatus.TRUNCATED if gen.finish is Finish.LENGTH else SampleStatus.COMPLETED
         done.append(time.monotonic() - t0)
     await asyncio.gather(*(one(s) for s in samples))
     return samples, done, sum(s.num_generated for s in samples)

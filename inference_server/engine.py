@@ -26,7 +26,7 @@ from inference_server.kv_cache import kv_slots_that_fit
 from inference_server.model_runner import DecoderRunner, GenericRunner, Runner, supports_fast_path
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
-from inference_server.sequence import Sequence
+from inference_server.sequence import Finish, Sequence
 from platforms import choose_device, choose_dtype, usable_cores
 
 log = logging.getLogger(__name__)
@@ -240,14 +240,14 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> dict | None:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
-            return {"type": "stop", "matched": token}
+            return Finish.STOP.reason(matched=token)
         if p.stop:
             tail = self.tokenizer.decode(seq.output_ids[-(max(map(len, p.stop)) + 2):])
             for s in p.stop:
                 if s in tail:
-                    return {"type": "stop", "matched": s}
+                    return Finish.STOP.reason(matched=s)
         if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.context_length:
-            return {"type": "length", "length": len(seq.output_ids)}
+            return Finish.LENGTH.reason(length=len(seq.output_ids))
         return None
 
     def _finish(self, seq: Sequence, reason: dict) -> None:
@@ -310,7 +310,7 @@ class Engine:
                 if s.params.seed is not None:
                     s.generator = torch.Generator().manual_seed(s.params.seed)
                 if s.params.max_new_tokens == 0:
-                    s.finish({"type": "length", "length": 0})
+                    s.finish(Finish.LENGTH.reason(length=0))
                     self._notify(s)
                 else:
                     self.scheduler.add(s)
@@ -328,7 +328,7 @@ class Engine:
 
     def _abort_one(self, seq: Sequence) -> None:
         self._release(seq)
-        seq.finish({"type": "abort", "message": "aborted by request"})
+        seq.finish(Finish.ABORT.reason(message="aborted by request"))
         self.stats.aborted_requests += 1
         self._notify(seq)
 

@@ -30,7 +30,7 @@ from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, Co
 from inference_server.metrics import metrics_text
 from inference_server.openai_api import chat_completion, completion, models
 from inference_server.process import is_loopback
-from inference_server.sequence import SamplingParams, Sequence
+from inference_server.sequence import Finish, SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
 class _Gate:
@@ -212,7 +212,7 @@ class Server:
         ids = seq.output_ids[:n]
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         reason = seq.finish_reason if (seq.finished if finished is None else finished) else None
-        if reason and reason["type"] == "stop" and isinstance(reason.get("matched"), str):
+        if reason and reason["type"] == Finish.STOP and isinstance(reason.get("matched"), str):
             cut = text.find(reason["matched"])
             text = text[:cut] if cut >= 0 else text
         meta = {

@@ -17,12 +17,13 @@ import orjson
 from fastapi.responses import StreamingResponse
 
 from inference_server.io_struct import ChatCompletionRequest, CompletionRequest, GenerateReqInput, SamplingParamsIn
+from inference_server.sequence import Finish
 
 
 def _json(obj) -> str:
     return orjson.dumps(obj).decode()
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}   # OpenAI's names
 
 
 def _refuse_unsupported(req) -> None:
@@ -46,7 +47,7 @@ def _usage(seqs) -> dict:
 
 
 def _finish(seq, finished: bool = True) -> str | None:
-    return _FINISH[seq.finish_reason["type"]] if finished and seq.finish_reason else None
+    return _FINISH[Finish(seq.finish_reason["type"])] if finished and seq.finish_reason else None
 
 
 class _Texts:

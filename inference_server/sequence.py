@@ -6,6 +6,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+class Finish(str, enum.Enum):
+    """Why a sequence ended. On the wire it stays SGLang's `finish_reason` dict, `{"type": ..., ...}`
+    (`reason`)."""
+    STOP = "stop"          # a stop token or string: "matched" says which
+    LENGTH = "length"      # max_new_tokens or the context: "length" generated
+    ABORT = "abort"        # aborted (a weight update, a client, a shutdown): "message"
+
+    def reason(self, **detail) -> dict:
+        return {"type": self.value, **detail}
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"      # queued; holds no KV slot
     RUNNING = "running"      # holds a KV slot; decoded every step

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from rollout.types import Finish
+
 
 class ServerError(RuntimeError):
     """A request that did not get an answer (or got a 5xx): it may succeed on another server."""
@@ -40,7 +42,7 @@ class Generation:
     output_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_type: str                  # stop | length | abort
+    finish: Finish
     text: str
 
 
@@ -105,7 +107,7 @@ class ServerClient:
                 versions = [int(meta.get("weight_version"))] * len(ids)
             except (TypeError, ValueError):
                 versions = [fallback_version] * len(ids)
-        return Generation(ids, lps, versions, meta["finish_reason"]["type"], out.get("text", ""))
+        return Generation(ids, lps, versions, Finish(meta["finish_reason"]["type"]), out.get("text", ""))
 
     async def abort(self, rids: list[str]) -> None:
         """Abort requests by rid: one call on a Riptide server; one call per rid on a plain SGLang one."""

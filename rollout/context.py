@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from rollout.client import ServerClient
 from rollout.requests import Requests
-from rollout.types import Sample, SampleStatus
+from rollout.types import Finish, Sample, SampleStatus
 
 
 class RolloutContext:
@@ -44,8 +44,8 @@ class RolloutContext:
             made += len(gen.output_ids)
             metrics.tokens_generated += len(gen.output_ids)
             self.server = client
-            if gen.finish_type != "abort":
-                sample.status = SampleStatus.COMPLETED if gen.finish_type == "stop" else SampleStatus.TRUNCATED
+            if gen.finish is not Finish.ABORT:
+                sample.status = SampleStatus.COMPLETED if gen.finish is Finish.STOP else SampleStatus.TRUNCATED
                 break
             sample.status, sample.num_aborts = SampleStatus.PARTIAL, sample.num_aborts + 1
             metrics.tokens_aborted += len(gen.output_ids)

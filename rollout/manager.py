@@ -33,7 +33,7 @@ from rollout.context import RolloutContext
 from rollout.data import PromptSource, prompt_ids
 from rollout.filters import GroupFilter, all_equal
 from rollout.metrics import BatchReport, RolloutMetrics
-from rollout.requests import Requests, Stopped
+from rollout.requests import Requests, RolloutStopped
 from rollout.rewards import RewardFn
 from rollout.router import NoServerAvailable, Router
 from rollout.staleness import StaleSample, Staleness
@@ -134,7 +134,7 @@ class RolloutManager:
         try:
             results = await asyncio.gather(*(self._run_sample(s) for s in group.samples if not s.status.finished),
                                            return_exceptions=True)
-            if any(isinstance(r, Stopped) for r in results) or self.stopping:
+            if any(isinstance(r, RolloutStopped) for r in results) or self.stopping:
                 return                                  # stays in `running`; stop() keeps it for resume
             self.running.pop(group.group_id, None)
             if any(isinstance(r, StaleSample) for r in results):
@@ -150,11 +150,11 @@ class RolloutManager:
         try:
             await self.rollout_fn(sample, RolloutContext(sample, self.tokenizer, self.cfg.sampling_params(),
                                                          self.requests))
-        except (Stopped, StaleSample):
+        except (RolloutStopped, StaleSample):
             raise
         except RequestRefused as e:
             if e.refuses_sampling_params:
-                self._refused_config(sample, e)          # raises Stopped
+                self._refused_config(sample, e)          # raises RolloutStopped
             sample.status, sample.error = SampleStatus.FAILED, str(e)
             return
         except (ServerError, NoServerAvailable, ValueError) as e:
@@ -178,7 +178,7 @@ class RolloutManager:
             log.error("rollout stopped: %s", error)
         sample.status = SampleStatus.PARTIAL if sample.response_ids else SampleStatus.PENDING
         self._notify()
-        raise Stopped() from error
+        raise RolloutStopped() from error
 
     def _filter(self, group: Group) -> None:
         self.metrics.scored(group.rewards)
@@ -237,7 +237,7 @@ class RolloutManager:
         """Before every request of a trajectory: the manager still runs, and the sample's group
         (consumed whole) is still within the staleness bound."""
         if self.stopping:
-            raise Stopped()
+            raise RolloutStopped()
         self.staleness.admit(self.running.get(sample.group_id, sample), self.trainer_version)
 
     # ---- the trainer's side ----------------------------------------------------------------------

@@ -26,12 +26,12 @@ from rollout.types import Sample, SampleStatus
 log = logging.getLogger(__name__)
 
 
-class Stopped(Exception):
+class RolloutStopped(Exception):
     """The manager is stopping: the sample stays partial, to be resumed after a restart."""
 
 
 @dataclass
-class InFlight:
+class InFlightRequest:
     sample: Sample
     client: ServerClient
     started: float
@@ -44,9 +44,9 @@ class Requests:
     def __init__(self, cfg: RolloutConfig, router: Router, metrics: RolloutMetrics,
                  admit: Callable[[Sample], None], trainer_version: Callable[[], int]):
         self.cfg, self.router, self.metrics = cfg, router, metrics
-        self.admit = admit                      # raises StaleSample or Stopped
+        self.admit = admit                      # raises StaleSample or RolloutStopped
         self.trainer_version = trainer_version
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlightRequest] = {}
         self.slots = RequestSlots(cfg.max_inflight)
         self._ids = itertools.count()
         self._rate: float | None = None         # tokens/s of one request, for the abort policy
@@ -66,7 +66,7 @@ class Requests:
                 await self.router.wait_for_server(self.cfg.request_timeout_s)
                 return None, None
             rid, started, version = f"{sample.uid}-{next(self._ids)}", time.monotonic(), self.trainer_version()
-            self.inflight[rid] = InFlight(sample, client, started, params["max_new_tokens"], version)
+            self.inflight[rid] = InFlightRequest(sample, client, started, params["max_new_tokens"], version)
             sample.status = SampleStatus.RUNNING
             try:
                 gen = await self.router.call(client, client.generate(sample.input_ids, params, rid,

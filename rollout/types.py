@@ -9,6 +9,13 @@ from typing import Any
 
 
 
+class Finish(str, enum.Enum):
+    """Why a generation ended, as a server's `finish_reason["type"]` says (SGLang's names)."""
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
 class SampleStatus(str, enum.Enum):
     PENDING = "pending"        # not started
     RUNNING = "running"        # a request is in flight

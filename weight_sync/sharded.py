@@ -28,6 +28,7 @@ fails the collective on rank 0, which aborts the update: every server keeps its 
 """
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import time
@@ -46,7 +47,16 @@ from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, ch
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
-_PLAN, _GO, _DONE, _FAILED = "plan", "go", "done", "failed"
+class Say(str, enum.Enum):
+    """What rank 0 tells the other ranks during a sharded push: (Say, body)."""
+    PLAN = "plan"          # body: the mode
+    GATHER = "gather"      # gather-then-push: the names of the next bucket's tensors (full_tensor)
+    SPECS = "specs"        # direct: (specs, bucket_bytes, timeout_s, mooncake): build the rank's writer
+    WRITE = "write"        # direct: (bucket k, targets): write this rank's bytes of bucket k
+    DONE = "done"          # body: the push's stats
+    FAILED = "failed"      # body: why
+
+
 MODES = ("direct", "gather")
 
 
@@ -90,7 +100,7 @@ class _GatherPush:
         gathered now, every rank told first which ones."""
         names = list(dict.fromkeys(p.name for p in bucket.pieces))
         gather = [n for n in names if n not in self._held and isinstance(self.tensors[n], self._dtensor)]
-        announce((_GO, ("gather", gather)), self.group)
+        announce((Say.GATHER, gather), self.group)
         out = {}
         for n in names:
             if n in self._held:
@@ -147,7 +157,7 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
     tensors = named_weights(model)
     if rank != 0:
         return _follow(tensors, mode, group)
-    announce((_PLAN, mode), group)
+    announce((Say.PLAN, mode), group)
     t0 = time.perf_counter()
     try:
         if mode == "direct":
@@ -156,11 +166,11 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
             stats = _GatherPush(sync, tensors, group).push(version, InFlight(inflight))
     except BaseException as e:
         try:
-            announce((_FAILED, f"{type(e).__name__}: {e}"), group)
+            announce((Say.FAILED, f"{type(e).__name__}: {e}"), group)
         except Exception:     # a rank that died mid-push is why it failed: the others learn it from the group
             pass
         raise
-    announce((_DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
+    announce((Say.DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
                    "seconds": time.perf_counter() - t0, "serving": stats.serving}), group)
     return stats
 
@@ -168,9 +178,9 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
 def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
     """A rank other than 0: do what rank 0 says, bucket by bucket, until it says how it ended."""
     kind, body = listen(group)
-    if kind == _FAILED:
+    if kind is Say.FAILED:
         raise WeightSyncError(f"the push failed on rank 0: {body}")
-    if kind != _PLAN or body not in MODES:
+    if kind is not Say.PLAN or body not in MODES:
         raise WeightSyncError(f"push_sharded: rank 0 said {kind!r} where a plan was due (ranks out of step)")
     if body != mode:
         log.info("push_sharded: rank 0 pushes with mode %s", body)
@@ -179,19 +189,19 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
     peak = 0
     while True:
         kind, body = listen(group)
-        if kind == _GO and body[0] == "gather":
-            held = [tensors[n].detach().full_tensor() for n in body[1] if isinstance(tensors[n], dtensor)]
+        if kind is Say.GATHER:
+            held = [tensors[n].detach().full_tensor() for n in body if isinstance(tensors[n], dtensor)]
             peak = max(peak, sum(t.nbytes for t in held))
             del held
-        elif kind == _GO and body[0] == "specs":
-            specs, bucket_bytes, timeout_s, mooncake = body[1:]
+        elif kind is Say.SPECS:
+            specs, bucket_bytes, timeout_s, mooncake = body
             specs = [TensorSpec(*s) for s in specs]
             writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
                                  bucket_bytes, timeout_s, mooncake=mooncake)
-        elif kind == _GO and body[0] == "write":
-            _, k, targets = body
+        elif kind is Say.WRITE:
+            k, targets = body
             _gather(writer.write(k, targets), group)
-        elif kind == _DONE:
+        elif kind is Say.DONE:
             stats = PushStats(version=body["version"], bytes=body["bytes"], buckets=body["buckets"],
                               seconds=body["seconds"], serving=body["serving"])
             stats.peak_gathered_bytes = max(peak, writer.peak_gathered_bytes if writer else 0)
@@ -339,7 +349,7 @@ class _DirectPush:
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
-        announce((_GO, ("specs", wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
+        announce((Say.SPECS, (wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
         writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
@@ -373,7 +383,7 @@ class _DirectPush:
                     live = [peers[i] for i in fan.children(TRAINER)]
                     written[k] = {id(p) for p in live}
                     targets = [(p.reply.session, p.reply.slot_addrs[k % n]) for p in live]
-                    announce((_GO, ("write", k, targets)), self.group)
+                    announce((Say.WRITE, (k, targets)), self.group)
                     results = _gather(writer.write(k, targets), self.group)
                     parts = [part for r in results for part in r[0]]
                     if not stats.egress_by_rank:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import enum
 import logging
 import os
 import pickle
@@ -40,7 +41,11 @@ from trainer_bridge.config import ConfigError, JobConfig, redacted
 from weight_sync.sharded import announce, listen
 
 log = logging.getLogger(__name__)
-_TRAIN, _SAVE, _STOP = "train", "save", "stop"
+class Order(str, enum.Enum):
+    """What rank 0's Lead tells the other ranks before each collective step: (Order, ...)."""
+    TRAIN = "train"        # (step, the batch's fields)
+    SAVE = "save"          # (step, checkpoint directory)
+    STOP = "stop"
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainBatch) if f.name not in ("samples", "metrics"))   # the tensors
 
 
@@ -51,15 +56,15 @@ class Lead:
         self.rank, self.world = rank, world
 
     def train(self, step: int, batch: TrainBatch) -> None:
-        self._send((_TRAIN, step, {name: getattr(batch, name) for name in FIELDS}))
+        self._send((Order.TRAIN, step, {name: getattr(batch, name) for name in FIELDS}))
 
     def save(self, step: int, directory: Path) -> None:
-        self._send((_SAVE, step, str(directory)))
+        self._send((Order.SAVE, step, str(directory)))
 
     def stop(self) -> None:
         """At the end, also after a failure: a rank that is gone cannot be told."""
         try:
-            self._send((_STOP,))
+            self._send((Order.STOP,))
         except Exception as e:      # noqa: BLE001  the group broke: the ranks are stopped by the launcher
             log.warning("could not tell the other trainer ranks to stop: %s", e)
 
@@ -82,12 +87,12 @@ def follow(model, trainer, first_step: int) -> None:
     push(first_step)
     while True:
         message = listen()
-        if message[0] == _TRAIN:
+        if message[0] is Order.TRAIN:
             _, step, tensors = message
             n = tensors["input_ids"].shape[0]
             trainer.train_step(TrainBatch(**tensors, samples=[None] * n))
             push(step + 1)
-        elif message[0] == _SAVE:
+        elif message[0] is Order.SAVE:
             trainer.save(Path(message[2]), message[1], None)
         else:
             return
