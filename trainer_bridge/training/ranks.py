@@ -56,19 +56,19 @@ class Lead:
         self.rank, self.world = rank, world
 
     def train(self, step: int, batch: TrainBatch) -> None:
-        self._send((Order.TRAIN, step, {name: getattr(batch, name) for name in FIELDS}))
+        self._tell((Order.TRAIN, step, {name: getattr(batch, name) for name in FIELDS}))
 
     def save(self, step: int, directory: Path) -> None:
-        self._send((Order.SAVE, step, str(directory)))
+        self._tell((Order.SAVE, step, str(directory)))
 
     def stop(self) -> None:
         """At the end, also after a failure: a rank that is gone cannot be told."""
         try:
-            self._send((Order.STOP,))
+            self._tell((Order.STOP,))
         except Exception as e:      # noqa: BLE001  the group broke: the ranks are stopped by the launcher
             log.warning("could not tell the other trainer ranks to stop: %s", e)
 
-    def announce(self, message) -> None:
+    def _tell(self, message) -> None:
         if self.world > 1:
             announce(message)
 
