@@ -52,7 +52,7 @@ try:
             batch = backend.next_batch()
             box = [{"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                     "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-                    "reward": float(batch.rewards.mean()), "staleness": batch.metrics["staleness_max"]}]
+                    "reward": float(batch.rewards.mean()), "staleness": batch.metrics['staleness_max']}]
         dist.broadcast_object_list(box, src=0)
         b = box[0]
         mine = slice(rank, None, world)                           # this rank's share of the rows

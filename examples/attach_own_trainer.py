@@ -37,4 +37,4 @@ with RolloutBackend(cfg) as backend:
         loss.backward()
         optimizer.step()
         backend.push_weights(model, version=step + 1)             # streamed over Mooncake, two-phase
-        print(f"step {step}: reward {batch.rewards.mean():.3f}  staleness {batch.metrics["staleness_max"]}")
+        print(f"step {step}: reward {batch.rewards.mean():.3f}  staleness {batch.metrics['staleness_max']}")

@@ -45,10 +45,11 @@ def servers(tiny_model, tmp_path_factory):
         s.stop()
 
 
-def manager(urls, tokenizer, reward=first_token_parity, data=None, **cfg):
+def manager(urls, tokenizer, reward=first_token_parity, data=None, group_filter=None, **cfg):
     cfg = RolloutConfig(**{"group_size": 4, "batch_size": 2, "max_new_tokens": 16, "ignore_eos": True, **cfg})
     router = Router([ServerClient(u, timeout_s=120) for u in urls])
-    return RolloutManager(cfg, router, data or PromptSource(PROMPTS, seed=0), tokenizer, reward)
+    extra = {"group_filter": group_filter} if group_filter is not None else {}
+    return RolloutManager(cfg, router, data or PromptSource(PROMPTS, seed=0), tokenizer, reward, **extra)
 
 
 def run(coro):
@@ -107,8 +108,10 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
     version = int(__import__("httpx").get(f"{url}/get_weight_version").json()["weight_version"]) + 1
 
     async def main():
+        # keep_all: a group whose 4 first tokens share a parity (1 in 8) would be dropped by the
+        # all-equal filter and replaced by a fresh one; with both dropped no aborted sample is left
         m = manager([url], tokenizer, max_new_tokens=1000, update_policy="abort_all", max_staleness=2,
-                    batch_size=2, oversample=1.0)
+                    batch_size=2, oversample=1.0, group_filter=keep_all)
         client = m.router.clients[0]
         tokens0 = (await client.get("/get_server_info"))["stats"]["generation_tokens"]
         await m.start()
