@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from inference_server.tiny_model import build_tiny_model
 from rollout.config import RolloutConfig
-from trainer_bridge.backend import BackendConfig, RolloutBackend
+from trainer_bridge import BackendConfig, RolloutBackend
 from trainer_bridge.config import TaskConfig
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
