@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from inference_server.engine import Engine, PauseMode
 from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, CompletionRequest,
                                         GenerateReqInput, PauseGenerationReqInput, SamplingParamsIn,
-                                        UpdateWeightsFromDiskReqInput, parse_version)
+                                        UpdateWeightsFromDiskReqInput, dumps, parse_version)
 from inference_server.metrics import metrics_text
 from inference_server.openai_api import chat_completion, completion, models
 from inference_server.process import is_loopback
@@ -48,11 +48,6 @@ class _Gate:
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def dumps(obj) -> str:
-    """JSON text of a reply (orjson: ~20x json.dumps on a reply of a few hundred logprobs)."""
-    return orjson.dumps(obj).decode()
 
 
 class Reply(Response):

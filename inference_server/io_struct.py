@@ -7,12 +7,19 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
+import orjson
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 Number = Union[StrictInt, StrictFloat]
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 
+
+
+def dumps(obj) -> str:
+    """JSON text of a reply (orjson: ~20x json.dumps on a reply of a few hundred logprobs)."""
+    return orjson.dumps(obj).decode()
 
 class SamplingParamsIn(BaseModel):
     model_config = ConfigDict(extra="ignore")

@@ -13,15 +13,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-import orjson
 from fastapi.responses import StreamingResponse
 
-from inference_server.io_struct import ChatCompletionRequest, CompletionRequest, GenerateReqInput, SamplingParamsIn
+from inference_server.io_struct import (ChatCompletionRequest, CompletionRequest, GenerateReqInput, SamplingParamsIn,
+                                        dumps)
 from inference_server.sequence import Finish
-
-
-def _json(obj) -> str:
-    return orjson.dumps(obj).decode()
 
 _FINISH = {Finish.STOP: "stop", Finish.LENGTH: "length", Finish.ABORT: "abort"}   # OpenAI's names
 
@@ -77,9 +73,9 @@ async def _stream(server, seqs, chunk, usage: bool) -> AsyncIterator[str]:
     async for i, n, finished in server.updates(seqs):
         piece, ids, new = texts.delta(i, n, finished)
         if piece or ids or finished:
-            yield f"data: {_json(chunk(i, piece, ids, new, _finish(seqs[i], finished)))}\n\n"
+            yield f"data: {dumps(chunk(i, piece, ids, new, _finish(seqs[i], finished)))}\n\n"
     if usage:
-        yield f"data: {_json(chunk(None, '', [], range(0), None) | {'choices': [], 'usage': _usage(seqs)})}\n\n"
+        yield f"data: {dumps(chunk(None, '', [], range(0), None) | {'choices': [], 'usage': _usage(seqs)})}\n\n"
     yield "data: [DONE]\n\n"
 
 

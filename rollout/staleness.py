@@ -39,9 +39,15 @@ class Staleness:
         """Under `policy` keep the bound paces admission only; nothing is stopped or refused for its
         age (tokens past `max_token_age` are masked instead)."""
         self.bound, self.batch_size, self.policy, self.max_token_age = max_staleness, batch_size, policy, max_token_age
-        self.keep = policy is StalePolicy.keep
-        self.regenerates = policy is StalePolicy.regenerate
         self._base = (0, 0)                  # trainer version and consumed groups at start()
+
+    @property
+    def keep(self) -> bool:
+        return self.policy is StalePolicy.keep
+
+    @property
+    def regenerates(self) -> bool:
+        return self.policy is StalePolicy.regenerate
 
     def start(self, trainer_version: int, consumed: int) -> None:
         self._base = (trainer_version, consumed)

@@ -39,12 +39,12 @@ from rollout.agent import RolloutFn, single_turn
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
 from rollout.service import RolloutSpec
+from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items
 from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import (ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
                                    model_context)
 from trainer_bridge.fleets import make_fleet, rollout_host
-from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items
 
 log = logging.getLogger(__name__)
 

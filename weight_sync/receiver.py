@@ -33,6 +33,7 @@ import enum
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -118,7 +119,8 @@ class Receiver:
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._served: tuple[int, str] | None = None    # (version, live_digest of the weights serving it)
         self._lock = threading.Lock()
-        self._relay = threading.Lock()     # one relay write at a time: they share this host's link
+        # one relay write at a time (they share this host's link), beside the copies under the lock
+        self._relays = ThreadPoolExecutor(1, thread_name_prefix="relay")
         self._closed = threading.Event()
         self.torn = False                    # in-place update under way or failed: weights are mixed
 
@@ -175,14 +177,12 @@ class Receiver:
             return self._verify(req)
         with self._lock:
             update = self._staging(req, req.bucket, req.slot)
-        relay = threading.Thread(target=lambda: out.append(self._forward(update, req)), name="relay", daemon=True)
-        out: list[ApplyReply] = []
-        relay.start()
+        relay = self._relays.submit(self._forward, update, req)
         try:
             self._verify(req)
         finally:
-            relay.join()            # the slot is the sender's again only once the relay has read it
-        return out[0] if out else ApplyReply(failed={i: "relay write did not finish" for i in range(len(req.forward))})
+            reply = relay.result()  # the slot is the sender's again only once the relay has read it
+        return reply
 
     def _verify(self, req: ApplyRequest) -> ApplyReply:
         with self._lock:
@@ -260,6 +260,7 @@ class Receiver:
 
     def close(self) -> None:
         self._closed.set()
+        self._relays.shutdown(wait=False)
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -314,13 +315,12 @@ class Receiver:
         write racing an abort lands in memory nothing uses."""
         src, nbytes = update.slots[req.slot], update.plan[req.bucket].nbytes
         failed = {}
-        with self._relay:
-            for i, target in enumerate(req.forward):
-                try:
-                    self.transport.write(target.session, [WriteOp(src.data_ptr(), target.addr, nbytes)],
-                                         req.forward_timeout_s)
-                except TransportError as e:
-                    failed[i] = str(e)
+        for i, target in enumerate(req.forward):
+            try:
+                self.transport.write(target.session, [WriteOp(src.data_ptr(), target.addr, nbytes)],
+                                     req.forward_timeout_s)
+            except TransportError as e:
+                failed[i] = str(e)
         return ApplyReply(failed=failed)
 
     def _current(self, ref: UpdateRef) -> _Update:

@@ -256,14 +256,14 @@ class WeightSync:
         if digest_as is None:
             raise WeightSyncError(f"version {version} is already served by {names}, and this push cannot check "
                                   f"that its weights are the ones serving it: push them as a new version")
-        by_digest: dict[str, str] = {}
+        digests: dict[tuple[TensorSpec, ...], str] = {}    # one digest per model the receivers hold
         differ = []
         for p in current:
-            specs = [TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in (p.served or {}).get("specs", [])]
-            key = repr(specs)
-            if key not in by_digest:
-                by_digest[key] = digest_as(specs) if specs else ""
-            if not specs or by_digest[key] != p.served.get("digest"):
+            served = p.served or {}
+            specs = tuple(TensorSpec(s["name"], s["dtype"], tuple(s["shape"])) for s in served.get("specs", []))
+            if specs and specs not in digests:
+                digests[specs] = digest_as(list(specs))
+            if not specs or digests[specs] != served.get("digest"):
                 differ.append(p.name)
         if differ:
             raise WeightSyncError(f"version {version} is already served by {', '.join(differ)} with other weights "
