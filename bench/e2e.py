@@ -112,10 +112,23 @@ def steps_seconds(records: list[dict]) -> float:
 # A workload: its Hydra overrides. copy is the speed workload (see above); copy_varlen is the one
 # where length matters: 2..16 digits to copy, so correct answers run from 3 to 17 tokens and the long
 # ones are the hard ones (a run that trained on fewer long samples would learn them worse).
+# copy_batch8 is copy with 8 groups a step (64 samples) where the others take 2: the gradient of a
+# step is less noisy, as in a real run's batches, and a step costs ~3x as much, so it runs 40 steps
+# (320 groups, against the others' 200).
 WORKLOADS = {
     "copy": lambda a: ["task.name=copy", f"task.num_digits={a.num_digits}", "task.min_digits=0"],
     "copy_varlen": lambda a: ["task.name=copy", "task.num_digits=16", "task.min_digits=2"],
+    "copy_batch8": lambda a: ["task.name=copy", f"task.num_digits={a.num_digits}", "task.min_digits=0"],
 }
+# per workload: (groups a step, steps); None takes --batch-size / --steps
+SHAPES = {"copy_batch8": (8, 40)}
+
+
+def shape(workload: str, args) -> tuple[int, int]:
+    batch, steps = SHAPES.get(workload, (None, None))
+    if args.steps_set:                       # --steps given: every workload runs that many
+        steps = args.steps
+    return batch or args.batch_size, steps or args.steps
 
 
 def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: Path) -> tuple[dict, list[dict], float]:
@@ -123,14 +136,15 @@ def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: P
     from trainer_bridge.train import compose_job
 
     run_dir = root / f"{workload}-{seed}-{mode}"
+    batch_size, steps = shape(workload, args)
     overrides = [
         f"mode={mode}", f"seed={seed}", f"run_dir={run_dir}",
         f"model.path={model_path}", f"model.hidden={args.hidden}", f"model.layers={args.layers}",
         *WORKLOADS[workload](args),
-        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={args.batch_size}",
+        f"rollout.max_new_tokens={args.max_new_tokens}", f"rollout.batch_size={batch_size}",
         f"rollout.oversample={args.oversample}", f"rollout.max_staleness={args.max_staleness}",
         f"rollout.update_policy={args.update_policy}",
-        f"trainer.steps={args.steps}", f"trainer.seed={seed}", f"trainer.lr={args.lr}",
+        f"trainer.steps={steps}", f"trainer.seed={seed}", f"trainer.lr={args.lr}",
         "logger.wandb=false", "logger.progress=false",
         *args.override,
     ]
@@ -139,6 +153,17 @@ def run_one(mode: str, workload: str, seed: int, args, root: Path, model_path: P
     result = run(job)
     wall = time.perf_counter() - t0
     return result, read_metrics(run_dir), wall
+
+
+TRACE = {"entropy": "train/entropy", "tis_weight": "train/tis_weight_mean",
+         "tis_truncated_frac": "train/tis_truncated_frac", "is_masked_frac": "train/is_masked_frac",
+         "behaviour_kl": "train/logprob_kl_k3", "grad_norm": "train/grad_norm",
+         "response_len": "response/length_mean"}
+
+
+def mean_of(pairs: list[dict], mode: str, key: str) -> float | None:
+    vals = [r[key] for p in pairs for r in p[mode]["records"][1:] if key in r]
+    return round(statistics.fmean(vals), 4) if vals else None
 
 
 def mean_std(xs: list[float]) -> tuple[float, float]:
@@ -167,6 +192,9 @@ def summarize(pairs: list[dict], every: int) -> dict:
         m, sd = mean_std(finals)
         out[f"{mode}_final_reward_mean"], out[f"{mode}_final_reward_std"] = round(m, 4), round(sd, 4)
         out[f"{mode}_final_rewards"] = finals
+    sync_mean = out["sync_final_reward_mean"] or 1e-9
+    out["async_over_sync_reward"] = round(out["async_final_reward_mean"] / sync_mean, 4)
+    out["worst_async_seed_over_sync_mean"] = round(min(out["async_final_rewards"]) / sync_mean, 4)
     pooled = ((out["sync_final_reward_std"] ** 2 + out["async_final_reward_std"] ** 2) / 2) ** 0.5
     out["pooled_std"] = round(pooled, 4)
     out["async_within_pooled_std"] = out["async_final_reward_mean"] >= out["sync_final_reward_mean"] - pooled
@@ -202,6 +230,11 @@ def summarize(pairs: list[dict], every: int) -> dict:
     # that sampled a token (one version back) and the trainer's before its step
     kls = [r["train/logprob_kl_k3"] for p in pairs for r in p["async"]["records"][1:] if "train/logprob_kl_k3" in r]
     out["async_behaviour_kl_per_token"] = round(sum(kls) / len(kls), 4) if kls else None
+    # the same, as the issue names it: between consecutive policies (the async run's tokens are one
+    # version behind the trainer that trains on them)
+    out["policy_kl_per_token"] = out["async_behaviour_kl_per_token"]
+    for mode in ("sync", "async"):      # the off-policy trace, averaged over steps and seeds
+        out[f"{mode}_trace"] = {name: mean_of(pairs, mode, key) for name, key in TRACE.items()}
     out["async_drops"] = [p["async"]["records"][-1].get("drops", {}) for p in pairs]
     out["max_staleness_seen"] = max(r.get("staleness_max", 0) for p in pairs for r in p["async"]["records"])
     out["async_phase_mean_s"] = seed_phase_means(pairs, "async")
@@ -211,9 +244,10 @@ def summarize(pairs: list[dict], every: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--workloads", default="copy,copy_varlen", help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated: each workload runs sync and async on each")
+    p.add_argument("--steps", type=int, default=None, help="steps of every workload (default: 100, copy_batch8 40)")
+    p.add_argument("--workloads", default="copy,copy_varlen,copy_batch8",
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated: each workload runs sync and async on each")
     p.add_argument("--hidden", type=int, default=384, help="tiny model hidden size (configs/: 128)")
     p.add_argument("--layers", type=int, default=4, help="tiny model layers (configs/: 2)")
     p.add_argument("--num-digits", type=int, default=8, help="copy's digits")
@@ -231,6 +265,8 @@ def main() -> None:
                    help="torch threads of the trainer and of each server (0: torch's default, all cores each)")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (run dirs, server logs)")
     args = p.parse_args()
+    args.steps_set = args.steps is not None
+    args.steps = args.steps if args.steps_set else 100
     workloads = args.workloads.split(",")
     seeds = [int(x) for x in args.seeds.split(",")]
     for w in workloads:
@@ -297,6 +333,12 @@ def main() -> None:
                                 "async_final_reward_std", "pooled_std", "async_within_pooled_std",
                                 "sync_reward_at_async_seconds_mean")},
         "seeds": seeds, "workload": workloads[0],
+        # the strict criterion (issue #30), per workload: every seed's final reward, async's mean over
+        # sync's, and the worst async seed over sync's mean
+        **{key: {w: t[key] for w, t in tasks.items()}
+           for key in ("sync_final_rewards", "async_final_rewards", "async_over_sync_reward",
+                       "worst_async_seed_over_sync_mean", "policy_kl_per_token")},
+        "speedups": {w: t["speedup"] for w, t in tasks.items()},
         "tasks": tasks,
         "params": {"steps": args.steps, "workloads": workloads, "num_digits": args.num_digits, "hidden": args.hidden,
                    "layers": args.layers, "max_new_tokens": args.max_new_tokens, "batch_size": args.batch_size,

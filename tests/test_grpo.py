@@ -120,7 +120,7 @@ def test_unknown_agg_raises_naming_the_value():
         policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2), agg="token-sum")
 
 
-def test_truncated_importance_weight_is_capped_detached_and_clip_stays_on_the_proximal_policy():
+def test_decoupled_weight_is_capped_detached_and_clip_stays_on_the_proximal_policy():
     # Ratio current/proximal = 1, A = 1. Weights proximal/behaviour: exp(0 - log 0.5) = 2 -> capped to 1.5,
     # and exp(0 - log 4) = 0.25. The current/behaviour ratios (2 and 0.25) lie outside the clip
     # range, yet nothing is clipped: the clip is centred on the proximal policy.
@@ -134,6 +134,7 @@ def test_truncated_importance_weight_is_capped_detached_and_clip_stays_on_the_pr
         torch.ones(1, 2),
         behaviour_logprobs=behaviour_logprobs,
         tis_cap=1.5,
+        off_policy="decoupled",
     )
     close(loss, -(1.5 + 0.25) / 2)
     close(metrics["tis_weight_mean"], (1.5 + 0.25) / 2)
@@ -142,6 +143,59 @@ def test_truncated_importance_weight_is_capped_detached_and_clip_stays_on_the_pr
 
     loss.backward()  # the weight scales the gradient but has none of its own
     close(logprobs.grad, [[-1.5 / 2, -0.25 / 2]])
+
+
+def stale_tokens() -> dict:
+    """Two tokens sampled one version back. Since then the trainer (proximal = current, one update
+    a step) raised token 0 from p=0.25 to p=0.5 (ratio 2 against the behaviour policy) and left
+    token 1 where it was; A = 1 for both."""
+    return dict(logprobs=torch.full((1, 2), math.log(0.5), dtype=torch.float64, requires_grad=True),
+                behaviour=torch.tensor([[math.log(0.25), math.log(0.5)]], dtype=torch.float64))
+
+
+def test_behaviour_clip_stops_pushing_a_token_the_trainer_already_moved_past_the_clip():
+    # The cause of async trailing sync (issue #30): stale samples kept pushing tokens the previous
+    # updates had already pushed. Under decoupled PPO with one update a step nothing clips, so token 0
+    # gets the full (capped) push; behaviour_clip gives it none and token 1 its on-policy gradient.
+    t = stale_tokens()
+    grads = {}
+    for method in ("decoupled", "behaviour_clip"):
+        lp = t["logprobs"].detach().clone().requires_grad_(True)
+        loss, metrics = policy_loss(lp, lp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 2),
+                                    behaviour_logprobs=t["behaviour"], tis_cap=2.0, off_policy=method)
+        loss.backward()
+        grads[method] = lp.grad
+    close(grads["decoupled"], [[-2.0 / 2, -1.0 / 2]])
+    close(grads["behaviour_clip"], [[0.0, -1.0 / 2]])
+
+
+def test_behaviour_clip_is_plain_ppo_on_policy_and_dual_clips_negative_advantages():
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    fresh = dict(behaviour_logprobs=lp.detach(), tis_cap=2.0)
+    on_policy, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64)[:1], torch.ones(1, 2))
+    clipped, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), **fresh)
+    close(clipped, on_policy)
+    # A = -1 on a token the trainer made 4x likelier since sampling: PPO's loss would be 4 * |A|,
+    # the dual clip holds it at tis_cap * |A| = 2 (and stops its gradient)
+    behaviour = torch.tensor([[math.log(0.125), math.log(0.5)]], dtype=torch.float64)
+    loss, metrics = policy_loss(lp, lp.detach(), -torch.ones(1, dtype=torch.float64), torch.ones(1, 2),
+                                behaviour_logprobs=behaviour, tis_cap=2.0)
+    close(loss, (2.0 + 1.0) / 2)
+    close(metrics["tis_truncated_frac"], 0.5)
+
+
+def test_icepop_masks_tokens_whose_weight_is_out_of_band():
+    # weights exp(proximal - behaviour): 4 (above tis_cap 2), 1 (in band), 0.25 (below 0.5)
+    lp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.25), 0.0, math.log(4.0)]], dtype=torch.float64)
+    loss, metrics = policy_loss(lp, lp.detach(), torch.ones(1, dtype=torch.float64), torch.ones(1, 3),
+                                behaviour_logprobs=behaviour, tis_cap=2.0, off_policy="icepop", is_band_low=0.5)
+    loss.backward()
+    close(lp.grad, [[0.0, -1.0 / 3, 0.0]])
+    close(metrics["is_masked_frac"], 2 / 3)
+    with pytest.raises(ValueError, match="is_band_low"):
+        policy_loss(lp, lp.detach(), torch.ones(1), torch.ones(1, 3), behaviour_logprobs=behaviour, tis_cap=2.0,
+                    off_policy="icepop", is_band_low=1.5)
 
 
 @pytest.mark.parametrize("with_behaviour, tis_cap", [(True, None), (False, 2.0)])

@@ -3,6 +3,7 @@ only these dataclasses. Every field has its help text; `validate()` says what to
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 from dataclasses import dataclass, field
@@ -193,6 +194,17 @@ class ClusterConfig:
         raise_problems(self.problems())
 
 
+class OffPolicy(str, enum.Enum):
+    """How the GRPO loss treats tokens sampled by older weights than the trainer's
+    (trainer_bridge/training/grpo.py, module docstring; README, "Off-policy correction")."""
+    behaviour_clip = "behaviour_clip"   # the default: PPO's clip centred on the behaviour policy
+    decoupled = "decoupled"             # AReaL's decoupled PPO: clip on the proximal, truncated IS weight
+    icepop = "icepop"                   # decoupled, tokens whose IS weight is out of band masked
+
+
+OFF_POLICIES = tuple(m.value for m in OffPolicy)
+
+
 @dataclass
 class TrainerConfig:
     steps: int = f(200, "training steps (one rollout batch and one optimizer step each)")
@@ -208,7 +220,12 @@ class TrainerConfig:
     clip_high: float = f(0.28, "PPO clip above 1 (DAPO clip-higher)")
     loss_agg: str = f("token-mean", "token-mean | seq-mean-token-mean")
     normalize_std: bool = f(True, "divide group advantages by the group's reward std")
-    tis_cap: float = f(2.0, "truncated importance sampling cap between trainer and server logprobs (0: off)")
+    tis_cap: float = f(2.0, "truncated importance sampling cap between trainer and server logprobs (0: off, "
+                            "the behaviour logprobs unused); behaviour_clip: the dual clip for A < 0")
+    off_policy: str = f("behaviour_clip", "behaviour_clip | decoupled | icepop: how the loss corrects tokens sampled "
+                                          "by older weights (README, 'Off-policy correction')")
+    is_band_low: float = f(0.5, "icepop: tokens whose proximal/behaviour ratio is below this (or above tis_cap) "
+                                "leave the loss")
     kl_coef: float = f(0.0, "k3 KL penalty to the initial model (0: off, no reference model kept)")
     dtype: str = f("float32", "float32 | bfloat16 (autocast on accelerators)")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N] (with world_size > 1: each rank its own, by LOCAL_RANK)")
@@ -247,6 +264,10 @@ class TrainerConfig:
                   (self.checkpoint_every >= 0, f"trainer.checkpoint_every={self.checkpoint_every}: must be >= 0"),
                   (self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip}: must be >= 0 (0: off)"),
                   (self.tis_cap >= 0, f"trainer.tis_cap={self.tis_cap}: must be >= 0 (0: off)"),
+                  (self.tis_cap == 0 or self.tis_cap > 1, f"trainer.tis_cap={self.tis_cap}: must be > 1 (or 0: off)"),
+                  (self.off_policy in OFF_POLICIES,
+                   f"trainer.off_policy={self.off_policy!r}: use {' | '.join(OFF_POLICIES)}"),
+                  (0 <= self.is_band_low < 1, f"trainer.is_band_low={self.is_band_low}: must be in [0, 1)"),
                   (self.kl_coef >= 0, f"trainer.kl_coef={self.kl_coef}: must be >= 0"),
                   (0 <= self.clip_low < 1, f"trainer.clip_low={self.clip_low}: must be in [0, 1)"),
                   (self.clip_high >= 0, f"trainer.clip_high={self.clip_high}: must be >= 0"),

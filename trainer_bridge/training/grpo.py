@@ -10,21 +10,33 @@ Off-policy data. Three policies meet in an asynchronous step:
 - behaviour: the inference server's weights that sampled the tokens (`behaviour_logprobs`, returned
   by the server);
 - proximal: the trainer's weights before this step, recomputed by the trainer
-  (`proximal_logprobs`, PPO's "old" policy); the PPO clip is centred here;
+  (`proximal_logprobs`, PPO's "old" policy);
 - current: the weights being optimised (`logprobs`, with grad).
-`policy_loss` clips exp(logprobs - proximal_logprobs) and multiplies each token's loss by the
-detached weight min(exp(proximal_logprobs - behaviour_logprobs), tis_cap). That one formula is both
-truncated importance sampling (verl/slime naming: `old_log_prob` is the proximal, `rollout_log_probs`
-the behaviour) and AReaL's decoupled PPO objective (AReaL naming: `prox_logp` is the proximal,
-`old_logp` the behaviour). The same two names are used everywhere in Riptide, the batches an attached
-trainer takes included (`batch.behaviour_logprobs`). AReaL drops tokens whose weight exceeds the cap where this
-truncates them to the cap.
+In verl/slime naming `old_log_prob` is the proximal and `rollout_log_probs` the behaviour; in AReaL's
+`prox_logp` is the proximal and `old_logp` the behaviour. `policy_loss` corrects for the gap
+between behaviour and current one of three ways (`OffPolicy`, `trainer.off_policy`):
+- `behaviour_clip` (the default): PPO's clipped ratio taken against the behaviour policy,
+  exp(logprobs - behaviour_logprobs), so the trust region is centred on the weights that sampled
+  the data. A token whose probability the trainer has already moved past the clip since it was
+  sampled (up, with A > 0; down, with A < 0) gets no further push from these stale samples; the
+  ratio is the importance weight everywhere else. Dual-clipped at `tis_cap` for A < 0. On
+  on-policy data (sync) it is plain PPO; with ppo_epochs > 1 the clip bounds the whole move
+  from the behaviour policy.
+- `decoupled`: AReaL's decoupled PPO / truncated importance sampling: the clip is centred on the
+  proximal policy and each token's loss is multiplied by the detached weight
+  min(exp(proximal - behaviour), tis_cap). With one update a step the proximal is the current
+  policy, so nothing is ever clipped and stale tokens are pushed as hard as fresh ones.
+- `icepop`: `decoupled`, with tokens whose weight exp(proximal - behaviour) falls outside
+  [is_band_low, tis_cap] masked from the loss (IcePop) instead of truncated.
+Why `behaviour_clip` is the default: bench/e2e.py (README, "Off-policy correction").
 """
 
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from trainer_bridge.config import OffPolicy
 
 
 def group_advantages(
@@ -110,19 +122,28 @@ def policy_loss(
     agg: str = "token-mean",
     behaviour_logprobs: Tensor | None = None,  # [batch, seq] from the inference server
     tis_cap: float | None = None,
+    off_policy: OffPolicy | str = OffPolicy.behaviour_clip,
+    is_band_low: float = 0.5,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped objective per token with separate low/high clip (DAPO clip-higher).
 
-    loss_t = -min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A) * w_t, r_t = exp(lp - proximal),
-    w_t = min(exp(proximal - behaviour), tis_cap) detached when `behaviour_logprobs` is given, else 1.
-    Pass `behaviour_logprobs` and `tis_cap` together (tis_cap=float("inf") for untruncated
-    importance sampling). See the module docstring for how this covers truncated importance
-    sampling and AReaL's decoupled PPO.
+    On-policy (no `behaviour_logprobs`): loss_t = -min(r_t A, clip(r_t, 1 - clip_low, 1 + clip_high) A),
+    r_t = exp(lp - proximal). With `behaviour_logprobs` and `tis_cap` (pass both; tis_cap=inf for
+    no cap), by `off_policy` (module docstring):
+    - behaviour_clip: the same with r_t = exp(lp - behaviour), and for A < 0 at most -tis_cap * A;
+    - decoupled: the on-policy loss times w_t = min(exp(proximal - behaviour), tis_cap), detached;
+    - icepop: the on-policy loss times w_t, and 0 where exp(proximal - behaviour) is outside
+      [is_band_low, tis_cap].
 
     Metrics are token means over masked tokens, whatever `agg` is. A clip fraction counts tokens
     where that clip binds (zeroes the gradient): r < 1 - clip_low with A < 0, r > 1 + clip_high
-    with A > 0. `approx_kl` is k3 of KL(proximal || current): mean of (r - 1) - log r.
+    with A > 0, for the ratio the clip acts on. `approx_kl` is k3 of KL(proximal || current),
+    `ratio_mean` the mean of exp(lp - proximal). With behaviour logprobs: `tis_weight_mean` (the
+    weight w_t as applied: masked tokens count 0), `tis_truncated_frac` (tokens whose
+    exp(proximal - behaviour) exceeds tis_cap), `is_masked_frac` (tokens icepop masks; the share
+    outside the band under the other methods, which do not mask).
     """
+    off_policy = OffPolicy(off_policy)
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
     if not 0 <= clip_low < 1 or clip_high < 0:
@@ -134,6 +155,8 @@ def policy_loss(
             "pass behaviour_logprobs and tis_cap together (tis_cap=float('inf') for untruncated "
             "importance sampling), or neither for on-policy data"
         )
+    if tis_cap is not None and not 0 <= is_band_low < 1 < tis_cap:
+        raise ValueError(f"is_band_low={is_band_low}, tis_cap={tis_cap}: need 0 <= is_band_low < 1 < tis_cap")
     check_same_shape(
         logprobs, proximal_logprobs=proximal_logprobs, loss_mask=loss_mask, behaviour_logprobs=behaviour_logprobs
     )
@@ -142,18 +165,30 @@ def policy_loss(
 
     log_ratio = logprobs - proximal_logprobs  # [batch, seq]
     ratio = torch.exp(log_ratio)
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)  # [batch, seq]
+    against_behaviour = behaviour_logprobs is not None and off_policy is OffPolicy.behaviour_clip
+    clip_ratio = torch.exp(logprobs - behaviour_logprobs) if against_behaviour else ratio
+    clipped = torch.clamp(clip_ratio, 1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(clip_ratio * advantages, clipped * advantages)  # [batch, seq]
 
     metrics: dict[str, Tensor] = {}
     if behaviour_logprobs is not None:
-        weight = torch.exp(proximal_logprobs - behaviour_logprobs).clamp(max=tis_cap).detach()  # [batch, seq]
-        per_token = per_token * weight
+        raw = torch.exp(proximal_logprobs - behaviour_logprobs).detach()  # [batch, seq]
+        outside = (raw < is_band_low) | (raw > tis_cap)
+        if against_behaviour:      # dual clip: a negative advantage costs at most tis_cap * |A|
+            per_token = torch.where(advantages < 0, torch.minimum(per_token, -tis_cap * advantages), per_token)
+            weight = raw.clamp(max=tis_cap)
+        else:
+            weight = raw.clamp(max=tis_cap)
+            if off_policy is OffPolicy.icepop:
+                weight = weight.masked_fill(outside, 0.0)
+            per_token = per_token * weight
         metrics["tis_weight_mean"] = token_mean(weight, mask)
+        metrics["tis_truncated_frac"] = token_mean((raw > tis_cap).to(mask.dtype), mask)
+        metrics["is_masked_frac"] = token_mean(outside.to(mask.dtype), mask)
 
     with torch.no_grad():
-        clipped_low = ((ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype)
-        clipped_high = ((ratio > 1 + clip_high) & (advantages > 0)).to(mask.dtype)
+        clipped_low = ((clip_ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype)
+        clipped_high = ((clip_ratio > 1 + clip_high) & (advantages > 0)).to(mask.dtype)
         metrics["clip_fraction_low"] = token_mean(clipped_low, mask)
         metrics["clip_fraction_high"] = token_mean(clipped_high, mask)
         metrics["approx_kl"] = token_mean(ratio - 1 - log_ratio, mask)

@@ -185,7 +185,8 @@ class GRPOTrainer:
         loss, metrics = grpo.policy_loss(
             logprobs, proximal, advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
             agg=self.cfg.loss_agg, behaviour_logprobs=behaviour if self.cfg.tis_cap > 0 else None,
-            tis_cap=self.cfg.tis_cap if self.cfg.tis_cap > 0 else None)
+            tis_cap=self.cfg.tis_cap if self.cfg.tis_cap > 0 else None, off_policy=self.cfg.off_policy,
+            is_band_low=self.cfg.is_band_low)
         entropy = grpo.aggregate(entropy, mask, self.cfg.loss_agg)
         if self.cfg.entropy_coef > 0:
             loss = loss - self.cfg.entropy_coef * entropy
