@@ -29,7 +29,7 @@ class StalePolicy(str, enum.Enum):
     trainer waits whenever a response takes longer than max_staleness train steps. Use it when long
     responses matter and the bound must hold.
     keep (the default): consumed anyway; the loss corrects each token by its behaviour logprob
-    (decoupled PPO / truncated IS), and tokens more than max_token_age versions old are masked
+    (trainer.off_policy), and tokens more than max_token_age versions old are masked
     (loss_mask 0), not the whole sample. max_staleness then only paces admission (capacity), as
     AReaL's max_head_offpolicyness does; with max_token_age -1 (the default) nothing is masked.
     The fastest, and no length bias (bench/long_tail.py); use drop or wait where every trained

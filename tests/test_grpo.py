@@ -169,11 +169,13 @@ def test_behaviour_clip_stops_pushing_a_token_the_trainer_already_moved_past_the
     close(grads["behaviour_clip"], [[0.0, -1.0 / 2]])
 
 
-def test_behaviour_clip_is_plain_ppo_on_policy_and_dual_clips_negative_advantages():
+def test_behaviour_clip_is_the_default_and_plain_ppo_on_policy_and_dual_clips_negative_advantages():
+    from trainer_bridge.config import TrainerConfig
+    assert TrainerConfig().off_policy == "behaviour_clip"
     lp = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64, requires_grad=True)
-    fresh = dict(behaviour_logprobs=lp.detach(), tis_cap=2.0)
-    on_policy, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0, -1.0], dtype=torch.float64)[:1], torch.ones(1, 2))
-    clipped, _ = policy_loss(lp, lp.detach(), torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), **fresh)
+    one = torch.ones(1, dtype=torch.float64)
+    on_policy, _ = policy_loss(lp, lp.detach(), one, torch.ones(1, 2))
+    clipped, _ = policy_loss(lp, lp.detach(), one, torch.ones(1, 2), behaviour_logprobs=lp.detach(), tis_cap=2.0)
     close(clipped, on_policy)
     # A = -1 on a token the trainer made 4x likelier since sampling: PPO's loss would be 4 * |A|,
     # the dual clip holds it at tis_cap * |A| = 2 (and stops its gradient)

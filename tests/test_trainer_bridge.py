@@ -43,6 +43,7 @@ def last_json(stdout: str) -> dict:
     ("rollout.oversampel=2", ["rollout.oversample"]),
     ("trainer.loss_agg=sum", ["trainer.loss_agg", "token-mean"]),
     ("trainer.lr_schedule=step", ["trainer.lr_schedule", "cosine"]),
+    ("trainer.off_policy=ppo", ["trainer.off_policy", "behaviour_clip | decoupled | icepop"]),
     ("rollout.oversample=0.5", ["rollout.oversample", ">= 1.0"]),
     ("trainer.world_size=0", ["trainer.world_size", ">= 1"]),
     ("task=nosuchtask", ["nosuchtask"]),

@@ -1,8 +1,9 @@
 """The built-in GRPO trainer: PyTorch + transformers, on the same attach API an outside trainer uses.
 
 One step: take a batch from the backend, recompute logprobs with the current weights (micro-batches,
-gradient accumulation), clipped policy-gradient loss with truncated importance sampling against the
-server's behaviour logprobs, clip gradients, AdamW, push the new weights as version step + 1.
+gradient accumulation), clipped policy-gradient loss corrected for the server's behaviour logprobs
+(`trainer.off_policy`: PPO's clip against the behaviour policy by default; grpo.py), clip gradients,
+AdamW, push the new weights as version step + 1.
 
 On k ranks of a torch.distributed job (trainer.world_size=k, trainer_bridge/training/ranks.py) the model is
 sharded with FSDP2 (`fully_shard` on each decoder layer, then the root) and every rank gets the same
