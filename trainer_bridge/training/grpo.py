@@ -144,19 +144,7 @@ def policy_loss(
     outside the band under the other methods, which do not mask).
     """
     off_policy = OffPolicy(off_policy)
-    if agg not in AGGREGATIONS:
-        raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
-    if not 0 <= clip_low < 1 or clip_high < 0:
-        raise ValueError(
-            f"clip_low={clip_low}, clip_high={clip_high}: need 0 <= clip_low < 1 and clip_high >= 0"
-        )
-    if (behaviour_logprobs is None) != (tis_cap is None):
-        raise ValueError(
-            "pass behaviour_logprobs and tis_cap together (tis_cap=float('inf') for untruncated "
-            "importance sampling), or neither for on-policy data"
-        )
-    if tis_cap is not None and not 0 <= is_band_low < 1 < tis_cap:
-        raise ValueError(f"is_band_low={is_band_low}, tis_cap={tis_cap}: need 0 <= is_band_low < 1 < tis_cap")
+    check_loss_args(agg, clip_low, clip_high, behaviour_logprobs, tis_cap, is_band_low)
     check_same_shape(
         logprobs, proximal_logprobs=proximal_logprobs, loss_mask=loss_mask, behaviour_logprobs=behaviour_logprobs
     )
@@ -172,19 +160,8 @@ def policy_loss(
 
     metrics: dict[str, Tensor] = {}
     if behaviour_logprobs is not None:
-        raw = torch.exp(proximal_logprobs - behaviour_logprobs).detach()  # [batch, seq]
-        outside = (raw < is_band_low) | (raw > tis_cap)
-        if against_behaviour:      # dual clip: a negative advantage costs at most tis_cap * |A|
-            per_token = torch.where(advantages < 0, torch.minimum(per_token, -tis_cap * advantages), per_token)
-            weight = raw.clamp(max=tis_cap)
-        else:
-            weight = raw.clamp(max=tis_cap)
-            if off_policy is OffPolicy.icepop:
-                weight = weight.masked_fill(outside, 0.0)
-            per_token = per_token * weight
-        metrics["tis_weight_mean"] = token_mean(weight, mask)
-        metrics["tis_truncated_frac"] = token_mean((raw > tis_cap).to(mask.dtype), mask)
-        metrics["is_masked_frac"] = token_mean(outside.to(mask.dtype), mask)
+        per_token, metrics = off_policy_correction(per_token, proximal_logprobs, behaviour_logprobs, advantages,
+                                                   mask, off_policy, tis_cap, is_band_low)
 
     with torch.no_grad():
         clipped_low = ((clip_ratio < 1 - clip_low) & (advantages < 0)).to(mask.dtype)
@@ -194,6 +171,50 @@ def policy_loss(
         metrics["approx_kl"] = token_mean(ratio - 1 - log_ratio, mask)
         metrics["ratio_mean"] = token_mean(ratio, mask)
     return AGGREGATIONS[agg](per_token, mask), metrics
+
+
+def check_loss_args(agg: str, clip_low: float, clip_high: float, behaviour_logprobs: Tensor | None,
+                    tis_cap: float | None, is_band_low: float) -> None:
+    """policy_loss's arguments that are wrong whatever the tensors, named."""
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg={agg!r} is not one of {sorted(AGGREGATIONS)}")
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(
+            f"clip_low={clip_low}, clip_high={clip_high}: need 0 <= clip_low < 1 and clip_high >= 0"
+        )
+    if (behaviour_logprobs is None) != (tis_cap is None):
+        raise ValueError(
+            "pass behaviour_logprobs and tis_cap together (tis_cap=float('inf') for untruncated "
+            "importance sampling), or neither for on-policy data"
+        )
+    if tis_cap is not None and not 0 <= is_band_low < 1 < tis_cap:
+        raise ValueError(f"is_band_low={is_band_low}, tis_cap={tis_cap}: need 0 <= is_band_low < 1 < tis_cap")
+
+
+def off_policy_correction(
+    per_token: Tensor,  # [batch, seq] the clipped loss, its ratio taken as `off_policy` says
+    proximal_logprobs: Tensor,  # [batch, seq]
+    behaviour_logprobs: Tensor,  # [batch, seq]
+    advantages: Tensor,  # [batch, seq] or [batch, 1]
+    mask: Tensor,  # [batch, seq] float
+    off_policy: OffPolicy,
+    tis_cap: float,
+    is_band_low: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token loss corrected for the behaviour policy (policy_loss's docstring), and the
+    weight metrics."""
+    raw = torch.exp(proximal_logprobs - behaviour_logprobs).detach()  # [batch, seq]
+    outside = (raw < is_band_low) | (raw > tis_cap)
+    weight = raw.clamp(max=tis_cap)
+    if off_policy is OffPolicy.behaviour_clip:      # dual clip: a negative advantage costs at most tis_cap * |A|
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, -tis_cap * advantages), per_token)
+    else:
+        if off_policy is OffPolicy.icepop:
+            weight = weight.masked_fill(outside, 0.0)
+        per_token = per_token * weight
+    return per_token, {"tis_weight_mean": token_mean(weight, mask),
+                       "tis_truncated_frac": token_mean((raw > tis_cap).to(mask.dtype), mask),
+                       "is_masked_frac": token_mean(outside.to(mask.dtype), mask)}
 
 
 def per_token_advantages(
