@@ -245,12 +245,8 @@ class RolloutManager:
         """Wait for `batch_size` groups that passed the filter and the staleness bound."""
         t0, waited_from = time.monotonic(), None
         while True:
-            for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
-                self.ready.remove(group)
-                self._drop(group, DropReason.STALE)
-            risky = self.staleness.risky(self.running.values(), self.trainer_version)
-            if len(self.ready) >= self.cfg.batch_size and not self.staleness.waits_for_old(self.ready, risky,
-                                                                                          self.trainer_version):
+            ready, risky = self._batch_ready()
+            if ready:
                 break
             if waited_from is None and risky:
                 waited_from = time.monotonic()
@@ -274,6 +270,19 @@ class RolloutManager:
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
         return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
+
+    def batch_ready(self) -> bool:
+        """Whether next_batch would return now (the stale groups it would drop are dropped)."""
+        return self._batch_ready()[0]
+
+    def _batch_ready(self) -> tuple[bool, list]:
+        for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
+            self.ready.remove(group)
+            self._drop(group, DropReason.STALE)
+        risky = self.staleness.risky(self.running.values(), self.trainer_version)
+        ready = len(self.ready) >= self.cfg.batch_size and not self.staleness.waits_for_old(self.ready, risky,
+                                                                                           self.trainer_version)
+        return ready, risky
 
     async def on_weights_updated(self, version: int, wait: bool = False) -> None:
         """The trainer published `version`: apply the in-flight policy; aborted samples resume on it.

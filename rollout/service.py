@@ -86,6 +86,9 @@ class RolloutService:
     async def next_batch(self) -> tuple[list, dict]:
         return await self.manager.next_batch()
 
+    async def batch_ready(self) -> bool:
+        return self.manager.batch_ready()
+
     async def on_weights_updated(self, version: int) -> None:
         await self.manager.on_weights_updated(version)
 

@@ -24,6 +24,7 @@ signal).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -36,6 +37,7 @@ import httpx
 import torch
 
 from rollout.agent import RolloutFn, single_turn
+from rollout.client import Generation, RequestRefused, ServerClient, ServerError
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
 from rollout.service import RolloutSpec
@@ -135,11 +137,13 @@ class RolloutBackend:
         self._workers: list[threading.Thread] = []
 
     # ---- the four calls a trainer makes --------------------------------------------------------
-    def start(self, model: torch.nn.Module | None = None, version: int = 0) -> None:
+    def start(self, model: torch.nn.Module | None = None, version: int = 0, manager: bool = True) -> None:
         """Start (or connect to) servers, weight sync and the manager. With `model`, its weights are
-        pushed as `version` before the first rollout; without, the servers serve `model_path`."""
+        pushed as `version` before the first rollout; without, the servers serve `model_path`.
+        `manager=False` starts no rollout manager: for a trainer that brings its own prompts and
+        rewards and samples with `generate` (TRL's rollout_func)."""
         from weight_sync.sender import WeightSync
-        self.rollout = self._host()              # a rollout process starts while the servers do
+        self.rollout = self._host() if manager else NoManager()   # a rollout process starts while the servers do
         self.fleet = self._make_fleet()
         if not self.cfg.server.urls and not self.cfg.server.api_key and not self.fleet.loopback():
             # servers off loopback: one secret for this run, unless one was given
@@ -180,6 +184,23 @@ class RolloutBackend:
                                              if u in self.servers}
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
                           advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
+
+    def batch_ready(self) -> bool:
+        """Whether next_batch would return at once. A caller on another thread than the pushes polls
+        this before next_batch: a next_batch that waits holds the manager's channel, and a push
+        that the wait needs would queue behind it."""
+        return bool(self.rollout.call("batch_ready"))
+
+    def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[Generation]:
+        """One completion per prompt (token ids), sampled on the member servers spread round-robin:
+        the completion's ids, each token's logprob and the weight version that sampled it. A request a
+        server fails is sent again to the next server; the call fails only when every server has.
+        For trainers that group and score samples themselves; the manager's groups are next_batch."""
+        if not self.servers:
+            raise RuntimeError("generate() before start(): no servers")
+        params = {**self.cfg.rollout.sampling_params(), **(sampling_params or {})}
+        return run_coroutine(generate_on(list(self.servers), prompts, params, self.cfg.server.api_key or None,
+                                         self.version))
 
     def push_weights(self, model, version: int):
         """Stream `model`'s weights into every server as `version` (two-phase: every server that
@@ -343,6 +364,53 @@ class RolloutBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NoManager:
+    """The manager's place in a backend started with manager=False: no rollout loop, nothing to
+    tell it of servers and versions."""
+
+    def start(self, spec) -> None:
+        pass
+
+    def call(self, method: str, *args, timeout_s: float | None = None):
+        return [] if method == "down_servers" else None
+
+    def close(self) -> None:
+        pass
+
+
+async def generate_on(urls: list[str], prompts: list[list[int]], params: dict, api_key: str | None,
+                      version: int) -> list[Generation]:
+    clients = [ServerClient(u, api_key=api_key) for u in urls]
+    tag = secrets.token_hex(4)
+
+    async def one(i: int, ids: list[int]) -> Generation:
+        for attempt in range(len(clients)):
+            client = clients[(i + attempt) % len(clients)]
+            try:
+                return await client.generate(ids, params, f"gen-{tag}-{i}-{attempt}", fallback_version=version)
+            except RequestRefused:
+                raise                          # the request itself is wrong: every server would refuse it
+            except ServerError as e:
+                if attempt == len(clients) - 1:
+                    raise
+                log.warning("prompt %d: %s; sending it to the next server", i, e)
+    try:
+        return list(await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts))))
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
+
+
+def run_coroutine(coro):
+    """asyncio.run, also from a thread that already runs a loop (a notebook): then on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    out: list = []
+    in_background(lambda: out.append(asyncio.run(coro)), "generate")()
+    return out[0]
 
 
 def in_background(fn: Callable[[], None], name: str) -> Callable[[], None]:
