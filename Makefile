@@ -7,7 +7,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup test demo serve-demo bench clean
+.PHONY: setup setup-trl test demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
+
+# TRL into the same venv (trl, accelerate, psutil: it keeps this torch and transformers); tests/test_trl.py
+# runs when it is there and is skipped, saying so, when it is not. CI installs it.
+setup-trl: setup
+	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[$(EXTRAS),trl]"
 
 test: setup
 	@# -rs: every skipped test says why (no GPU, no namespaces, an integration not installed)

@@ -27,8 +27,9 @@ def copy_reward(completions, answer, **kwargs):
     return [partial_credit_score(c, a) for c, a in zip(completions, answer)]
 
 
-def main(steps: int = 30, out: str = ".cache/trl-grpo") -> list[dict]:
-    path = ".cache/tiny-chars"
+def main(steps: int = 30, out: str = ".cache/trl-grpo", path: str = ".cache/tiny-chars", reward_funcs=None,
+         close_at_end: bool = True):
+    """Trains for `steps`; returns the trainer (its state.log_history has the per-step rewards)."""
     if not os.path.exists(os.path.join(path, "config.json")):
         build_tiny_model(path, hidden=128, layers=2, heads=4, tokenizer="chars")
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -40,14 +41,15 @@ def main(steps: int = 30, out: str = ".cache/trl-grpo") -> list[dict]:
                       num_generations=8, max_completion_length=3, temperature=1.0, beta=0.0, lr_scheduler_type="constant",
                       logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, seed=0)
     backend = RolloutBackend(BackendConfig(model_path=path, rollout=RolloutConfig(use_chat_template="false")))
-    trainer = RiptideGRPOTrainer(model=model, reward_funcs=copy_reward, args=args, train_dataset=dataset,
-                                 processing_class=tokenizer, backend=backend)
+    trainer = RiptideGRPOTrainer(model=model, reward_funcs=reward_funcs or copy_reward, args=args,
+                                 train_dataset=dataset, processing_class=tokenizer, backend=backend,
+                                 close_at_end=close_at_end)
     trainer.train()                   # starts the servers, pushes after every step, stops them at the end
-    return [h for h in trainer.state.log_history if "reward" in h]
+    return trainer
 
 
 if __name__ == "__main__":
-    history = main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
-    for h in history:
+    trainer = main(int(sys.argv[1]) if len(sys.argv) > 1 else 30)
+    for h in [h for h in trainer.state.log_history if "reward" in h]:
         print(f"step {h['step']}: reward {h['reward']:.3f}  "
               f"is_ratio {h.get('sampling/importance_sampling_ratio/mean', float('nan')):.3f}")
