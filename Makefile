@@ -7,7 +7,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup setup-trl test demo serve-demo bench clean
+.PHONY: setup setup-trl setup-verl test demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -27,9 +27,20 @@ $(STAMP): pyproject.toml Makefile
 setup-trl: setup
 	@$(PY) -c "import trl" 2>/dev/null || $(PIP) install -q -e ".[$(EXTRAS),trl]"
 
+# verl 0.9.1 pins its own transformers, so it lives in a venv of its own with this package (editable)
+# and the same torch; `make test` runs tests/test_verl.py there when it exists. CI makes it.
+VERL_PY := .venv-verl/bin/python
+setup-verl: setup
+	@[ -x $(VERL_PY) ] || python3 -m venv .venv-verl
+	@$(VERL_PY) -c "import torch" 2>/dev/null || .venv-verl/bin/pip install -q $(TORCH_CPU_PIN)
+	@$(VERL_PY) -c "import verl, trainer_bridge" 2>/dev/null || .venv-verl/bin/pip install -q -e ".[cpu,dev,verl]"
+
 test: setup
 	@# -rs: every skipped test says why (no GPU, no namespaces, an integration not installed)
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	@if [ -x $(VERL_PY) ]; then echo "== tests/test_verl.py in .venv-verl (verl 0.9.1)"; \
+		$(VERL_PY) -m pytest -q -rs tests/test_verl.py; \
+	else echo "skipped tests/test_verl.py: no .venv-verl (make setup-verl makes it)"; fi
 
 demo: setup
 	$(PY) -m trainer_bridge.train $(DEMO_ARGS)
