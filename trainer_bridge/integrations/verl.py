@@ -36,9 +36,26 @@ except ImportError as e:                         # the extra is not installed
 
 log = logging.getLogger(__name__)
 
-# The Riptide server this process fronts (set by the server adapter, read by the checkpoint engine
-# in the same verl worker process).
+# The Riptide server this process fronts, and its replica's rank: set by the server adapter, read by
+# the checkpoint engine in the same verl worker process.
 LOCAL_SERVERS: list[str] = []
+LOCAL_REPLICA: list[int] = []
+
+
+def server_actor_name(replica_rank: int) -> str:
+    return f"riptide_server_{replica_rank}"
+
+
+def local_server() -> str | None:
+    """This worker's Riptide server: registered by its adapter, else its replica's named server actor."""
+    if not LOCAL_SERVERS and LOCAL_REPLICA:
+        import ray
+        try:
+            actor = ray.get_actor(server_actor_name(LOCAL_REPLICA[0]))
+        except ValueError:
+            return None
+        LOCAL_SERVERS.append(ray.get(actor.get_server_address.remote()))
+    return LOCAL_SERVERS[0] if LOCAL_SERVERS else None
 
 
 def _version(url: str, api_key: str | None = None) -> int | None:
@@ -70,8 +87,8 @@ class RiptideCheckpointEngine(CheckpointEngine):
         self.sync = None                             # the master's WeightSync, kept across steps
 
     def prepare(self) -> dict[str, Any]:
-        url = self.server_url or (LOCAL_SERVERS[0] if LOCAL_SERVERS else None)
-        return {"server_url": url}
+        """An actor rank has no server (its metadata is None); a rollout worker names its own."""
+        return {"server_url": None if self.is_master else self.server_url or local_server()}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
@@ -122,7 +139,7 @@ class RiptideCheckpointEngine(CheckpointEngine):
 
     async def receive_weights(self, global_steps: int | None = None) -> AsyncGenerator[tuple[str, torch.Tensor], None]:
         """Nothing passes through this worker: it returns once its server serves `global_steps`."""
-        url = self.server_url or (LOCAL_SERVERS[0] if LOCAL_SERVERS else None)
+        url = self.server_url or local_server()
         if url is not None and global_steps is not None:
             deadline = time.monotonic() + self.receive_timeout_s
             while (_version(url, self.api_key) or -1) < int(global_steps):
@@ -231,6 +248,7 @@ class RiptideServerAdapter(BaseRollout):
         super().__init__(config, model_config, device_mesh)
         self.replica_rank = kwargs.get("replica_rank", 0)
         self.is_leader_rank = True
+        LOCAL_REPLICA[:] = [self.replica_rank]
         if server_url:
             LOCAL_SERVERS[:] = [server_url]
 
@@ -260,7 +278,8 @@ class RiptideReplica(RolloutReplica):
 
     async def launch_servers(self):
         import ray
-        actor = ray.remote(num_cpus=0)(RiptideServer).options(max_concurrency=self.max_concurrency)
+        actor = ray.remote(num_cpus=0)(RiptideServer).options(
+            max_concurrency=self.max_concurrency, name=server_actor_name(self.replica_rank))
         server = actor.remote(self.model_config.local_path, response_length=self.config.response_length)
         self._server_address = await server.get_server_address.remote()
         self._server_handle = server
