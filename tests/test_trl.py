@@ -189,3 +189,38 @@ def test_async_grpo_trainer_trains_on_riptides_rollout_worker_and_weight_transfe
     assert all(not torch.equal(p, trainer.model.get_parameter(n)) for n, p in before.items())
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     assert len(rewards) == args.max_steps and all(0.0 <= r <= 1.0 for r in rewards)   # the task's partial credit
+
+
+def test_the_weight_callback_pushes_the_model_inside_a_ddp_wrapper(chars_model):
+    """What accelerate hands a callback under DDP is the wrapper: the callback pushes the model
+    inside it, as version global_step, and the servers then score tokens as that model does."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM, TrainerState
+
+    from inference_server.process import free_port
+    from trainer_bridge import BackendConfig, RolloutBackend
+    from trainer_bridge.integrations.trl import RiptideWeightSync
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}", rank=0, world_size=1)
+    backend = RolloutBackend(BackendConfig(model_path=chars_model))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(chars_model, dtype=torch.float32)
+        callback, state = RiptideWeightSync(backend, close_at_end=False), TrainerState()
+        callback.on_train_begin(None, state, None, model=DistributedDataParallel(model))
+        with torch.no_grad():                                     # a training step
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        state.global_step = 1
+        callback.on_step_end(None, state, None, model=DistributedDataParallel(model))
+        assert server_versions(backend) == [1]
+        prompt = [5, 6, 7, 8]
+        gen = backend.generate([prompt], {"temperature": 0.0, "max_new_tokens": 4})[0]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + gen.output_ids])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(gen.output_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(gen.logprobs), want, atol=1e-3)
+        assert gen.versions == [1] * len(gen.output_ids)
+    finally:
+        backend.close()
+        dist.destroy_process_group()

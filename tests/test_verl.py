@@ -112,3 +112,47 @@ def test_checkpoint_engine_moves_a_model_into_riptide_servers_bit_exactly_under_
         actors[0].close()
         for s in servers + [reference]:
             s.stop()
+
+
+def test_replica_launches_its_server_as_a_ray_actor_that_verl_reaches_by_handle_and_by_name(tiny_model):
+    """RiptideReplica.launch_servers on a real Ray cluster (one node on 127.0.0.1): the server handle
+    generates, the replica's control calls reach it, and a rollout worker of that replica finds its
+    server by the actor's name (what the checkpoint engine's prepare reports)."""
+    import ray
+    from ray.cluster_utils import Cluster
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import RolloutReplicaRegistry, TokenOutput
+
+    from trainer_bridge.integrations import verl as plugin
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "node_ip_address": "127.0.0.1",
+                                                            "object_store_memory": 80 << 20})
+    ray.init(address=cluster.address, log_to_driver=False)
+    replica = None
+    try:
+        config = RolloutConfig(name="riptide", response_length=8, prompt_length=16, tensor_model_parallel_size=1)
+        replica = RolloutReplicaRegistry.get("riptide")(replica_rank=0, config=config,
+                                                       model_config=HFModelConfig(path=tiny_model, local_path=tiny_model),
+                                                       gpus_per_node=1)
+
+        async def run():
+            await replica.launch_servers()
+            out = await replica.server_handle.generate.remote([11, 12, 13], {"temperature": 0.0}, "r-1")
+            await replica.abort_all_requests()
+            await replica.resume_generation()
+            await replica.sleep()
+            await replica.wake_up()
+            return out
+        out = asyncio.run(run())
+        assert isinstance(out, TokenOutput) and 1 <= len(out.token_ids) <= 8
+        assert httpx.get(f"{replica.server_address}/health", timeout=10).status_code == 200
+        plugin.LOCAL_SERVERS.clear()
+        plugin.LOCAL_REPLICA[:] = [0]
+        assert plugin.RiptideCheckpointEngine(1 << 20).prepare() == {"server_url": replica.server_address}
+    finally:
+        plugin.LOCAL_SERVERS.clear()
+        plugin.LOCAL_REPLICA.clear()
+        if replica is not None and replica.servers:
+            ray.get(replica.servers[0].shutdown.remote())
+        ray.shutdown()
+        cluster.shutdown()
