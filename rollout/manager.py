@@ -55,7 +55,8 @@ class RolloutManager:
         self.trainer_version = 0
         self.consumed_groups = 0
         self.metrics = RolloutMetrics()
-        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size, cfg.stale_policy, cfg.max_token_age)
+        self.staleness = Staleness(cfg.max_staleness, cfg.batch_size, cfg.stale_policy, cfg.max_token_age,
+                                   cfg.on_policy_warmup)
         self.requests = Requests(cfg, router, self.metrics, self.admit, lambda: self.trainer_version)
         self.running: dict[str, Group] = {}
         self.ready: collections.deque[Group] = collections.deque()

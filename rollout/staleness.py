@@ -35,11 +35,18 @@ class StaleSample(Exception):
 
 class Staleness:
     def __init__(self, max_staleness: int, batch_size: int, policy: StalePolicy = StalePolicy.drop,
-                 max_token_age: int = -1):
+                 max_token_age: int = -1, on_policy_warmup: int = 0):
         """Under `policy` keep the bound paces admission only; nothing is stopped or refused for its
-        age (tokens past `max_token_age` are masked instead)."""
-        self.bound, self.batch_size, self.policy, self.max_token_age = max_staleness, batch_size, policy, max_token_age
+        age (tokens past `max_token_age` are masked instead). Before version `on_policy_warmup` the
+        bound is 0: the first batches are generated on the weights they train, as in sync mode."""
+        self.max_staleness, self.batch_size, self.policy = max_staleness, batch_size, policy
+        self.max_token_age, self.warmup = max_token_age, on_policy_warmup
         self._base = (0, 0)                  # trainer version and consumed groups at start()
+        self._version = 0                    # the trainer version the bound was last asked at
+
+    def bound_at(self, trainer_version: int) -> int:
+        """The bound in force at `trainer_version`: 0 during the on-policy warm-up, then max_staleness."""
+        return 0 if trainer_version < self.warmup else self.max_staleness
 
     @property
     def keep(self) -> bool:
@@ -53,24 +60,24 @@ class Staleness:
         self._base = (trainer_version, consumed)
 
     def consumable(self, group: Group, trainer_version: int) -> bool:
-        return self.keep or group.staleness(trainer_version) <= self.bound
+        return self.keep or group.staleness(trainer_version) <= self.bound_at(trainer_version)
 
     def at_risk(self, group: Group, trainer_version: int) -> bool:
         """Its oldest token is `bound` versions old: consumable now, not after the next version."""
         return any(s.min_version is not None for s in group.samples) and \
-            group.staleness(trainer_version) >= self.bound
+            group.staleness(trainer_version) >= self.bound_at(trainer_version)
 
     def may_start(self, trainer_version: int, consumed: int, in_progress: int) -> bool:
         base_version, base_consumed = self._base
-        capacity = (trainer_version - base_version + self.bound + 1) * self.batch_size
+        capacity = (trainer_version - base_version + self.bound_at(trainer_version) + 1) * self.batch_size
         return consumed - base_consumed + in_progress < capacity
 
     def admit(self, trajectory: Group | Sample, trainer_version: int) -> None:
         """Raise StaleSample when `trajectory` (its group, or a sample outside any group) is past the bound."""
         age = trajectory.staleness(trainer_version)
-        if age > self.bound and not self.keep:
+        if age > self.bound_at(trainer_version) and not self.keep:
             raise StaleSample(f"group {trajectory.group_id}: tokens from version {trainer_version - age}, "
-                              f"trainer at {trainer_version}, bound {self.bound}")
+                              f"trainer at {trainer_version}, bound {self.bound_at(trainer_version)}")
 
     def doomed(self, requests: Iterable[tuple[str, str, int]], running: dict[str, Group],
                trainer_version: int) -> list[str]:
@@ -84,7 +91,7 @@ class Staleness:
         for _, gid, version in requests:
             oldest[gid] = min(oldest.get(gid, version), version)
         doomed = {gid for gid, version in oldest.items()
-                  if trainer_version - version > self.bound
+                  if trainer_version - version > self.bound_at(trainer_version)
                   or (gid in running and not self.consumable(running[gid], trainer_version))}
         return [rid for rid, gid, _ in requests if gid in doomed]
 

@@ -99,6 +99,29 @@ def test_oversampling_fills_a_batch_while_slow_groups_keep_running(servers, toke
     assert any(i % 2 == 0 for i in still_running), "the slow groups are still generating"
 
 
+def test_on_policy_warmup_generates_only_the_batch_in_hand_until_its_last_version(servers, tokenizer):
+    """rollout.on_policy_warmup=2: versions 0 and 1 generate as sync mode does (nothing starts
+    ahead of the batch the trainer holds, so every sample is sampled by the weights it trains);
+    from version 2 on the manager oversamples and runs ahead up to max_staleness."""
+    async def main():
+        m = manager([servers()[0].url], tokenizer, batch_size=2, oversample=3.0, max_staleness=4,
+                    on_policy_warmup=2)
+        await m.start()
+        seen = []
+        for version in (1, 2):
+            await m.next_batch()
+            await asyncio.sleep(1.0)                  # time to start groups ahead, if it would
+            seen.append(len(m.running) + len(m.ready))
+            await m.on_weights_updated(version)
+        await asyncio.sleep(1.0)
+        seen.append(len(m.running) + len(m.ready))
+        await m.stop()
+        return seen
+    ahead0, ahead1, after = run(main())
+    assert ahead0 == 0 and ahead1 == 0               # nothing started ahead during the warm-up
+    assert after > 2                                 # then oversampling: more than one batch in progress
+
+
 def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokenizer, tiny_model_v2):
     from transformers import AutoModelForCausalLM
 
