@@ -107,8 +107,11 @@ class RiptideWeightSync(TrainerCallback):
         self.backend, self.close_at_end, self.manager = backend, close_at_end, manager
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from weight_sync import sharded
         if self.backend is not None and self.backend.sync is None:
             self.backend.start(unwrap(model), version=state.global_step, manager=self.manager)
+        elif self.backend is None and sharded.is_sharded(unwrap(model)):
+            sharded.push_sharded(unwrap(model), state.global_step)   # the main rank's first push, sharded
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.push(unwrap(model), state.global_step)
