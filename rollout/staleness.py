@@ -42,7 +42,6 @@ class Staleness:
         self.max_staleness, self.batch_size, self.policy = max_staleness, batch_size, policy
         self.max_token_age, self.warmup = max_token_age, on_policy_warmup
         self._base = (0, 0)                  # trainer version and consumed groups at start()
-        self._version = 0                    # the trainer version the bound was last asked at
 
     def bound_at(self, trainer_version: int) -> int:
         """The bound in force at `trainer_version`: 0 during the on-policy warm-up, then max_staleness."""

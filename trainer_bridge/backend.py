@@ -333,17 +333,10 @@ class RolloutBackend:
                 log.info("%s joined the fleet at version %d", url, self.version)
 
     def _version_of(self, url: str) -> int | None:
-        try:
-            r = httpx.get(f"{url}/get_weight_version", timeout=5, headers=self._auth())
-            return int(r.json()["weight_version"]) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, KeyError):
-            return None
+        return served_version(url, self.cfg.server.api_key or None)
 
     def _dead(self, url: str) -> bool:
         return self._version_of(url) is None
-
-    def _auth(self) -> dict:
-        return {"Authorization": f"Bearer {self.cfg.server.api_key}"} if self.cfg.server.api_key else {}
 
     def _make_fleet(self):
         c = self.cfg
@@ -364,6 +357,16 @@ class RolloutBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def served_version(url: str, api_key: str | None = None) -> int | None:
+    """The weight version `url` serves; None when it does not answer."""
+    try:
+        r = httpx.get(f"{url}/get_weight_version", timeout=5,
+                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        return int(r.json()["weight_version"]) if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 class NoManager:

@@ -34,6 +34,8 @@ try:
 except ImportError as e:                         # the extra is not installed
     raise ImportError(f"trainer_bridge.integrations.verl needs verl: make setup-verl ({e})") from e
 
+from trainer_bridge.backend import served_version
+
 log = logging.getLogger(__name__)
 
 # The Riptide server this process fronts, and its replica's rank: set by the server adapter, read by
@@ -56,15 +58,6 @@ def local_server() -> str | None:
             return None
         LOCAL_SERVERS.append(ray.get(actor.get_server_address.remote()))
     return LOCAL_SERVERS[0] if LOCAL_SERVERS else None
-
-
-def _version(url: str, api_key: str | None = None) -> int | None:
-    try:
-        r = httpx.get(f"{url}/get_weight_version", timeout=5,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-        return int(r.json()["weight_version"]) if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
 
 
 @CheckpointEngineRegistry.register("riptide")
@@ -142,7 +135,7 @@ class RiptideCheckpointEngine(CheckpointEngine):
         url = self.server_url or local_server()
         if url is not None and global_steps is not None:
             deadline = time.monotonic() + self.receive_timeout_s
-            while (_version(url, self.api_key) or -1) < int(global_steps):
+            while (served := served_version(url, self.api_key)) is None or served < int(global_steps):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{url} did not reach version {global_steps} within {self.receive_timeout_s}s")
                 await asyncio.sleep(0.05)
