@@ -157,6 +157,7 @@ class Fanout:
         self.links = Links(len(peers))
         self.local = [threading.Semaphore(1) for _ in range(ring)]
         self._nbytes: dict[int, int] = {}
+        self._extra: dict[int, dict] = {}           # bucket -> its encoding's apply fields (delta)
         self._lock = threading.Lock()
         self.failed: BaseException | None = None     # the error that ends the update: every wait gives up
         self.egress_bytes = 0
@@ -182,10 +183,11 @@ class Fanout:
         self._acquire(self.local[k % self.ring])
         return k % self.ring
 
-    def bucket(self, k: int, nbytes: int, digest: str) -> None:
-        """Bucket k, packed in local slot k % ring, to every live receiver; returns once each has
-        verified it. A failure that ends the update is raised, and every other wait gives up."""
-        self._nbytes[k] = nbytes
+    def bucket(self, k: int, nbytes: int, digest: str, extra: dict | None = None) -> None:
+        """Bucket k, packed in local slot k % ring (`nbytes` of it), to every live receiver; returns
+        once each has verified it. `extra`: the apply fields of its encoding (a delta's). A failure
+        that ends the update is raised, and every other wait gives up."""
+        self._nbytes[k], self._extra[k] = nbytes, extra or {}
         try:
             self._serve(TRAINER, k, digest, sent=[])
         except BaseException as e:
@@ -252,7 +254,7 @@ class Fanout:
         j = k % self.num_slots
         targets = [Target(session=self.peers[c].reply.session, addr=self.peers[c].reply.slot_addrs[j]) for c in kids]
         req = ApplyRequest(**self.ref.model_dump(), bucket=k, slot=j, digest=digest, forward=targets,
-                           forward_timeout_s=self.hop.timeout_s)
+                           forward_timeout_s=self.hop.timeout_s, **self._extra[k])
         for attempt in range(self.hop.max_retries + 1):
             t = time.perf_counter()
             try:

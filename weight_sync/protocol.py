@@ -20,6 +20,11 @@ class InFlight(str, enum.Enum):
     ABORT = "abort"         # running requests end with finish_reason abort, to be resumed by the caller
 
 
+class Encoding(str, enum.Enum):
+    WHOLE = "whole"         # the bucket's bytes as they lie in the weights
+    DELTA = "delta"         # only what changed since the base update (weight_sync/delta.py)
+
+
 class SpecMsg(BaseModel):
     name: str
     dtype: str
@@ -42,6 +47,7 @@ class OpenReply(BaseModel):
     slot_addrs: list[int]              # staging slots: bucket k goes to slot k % len
     specs: list[SpecMsg]               # what the receiver needs, in plan order
     current_version: int
+    live_update: str | None = None     # the update whose weights serve now, exactly (None: loaded otherwise)
 
 
 class Target(BaseModel):
@@ -56,6 +62,9 @@ class ApplyRequest(UpdateRef):
     digest: str
     forward: list[Target] = []         # once verified, write the bucket on into these slots
     forward_timeout_s: float = Field(default=30.0, gt=0)
+    encoding: Encoding = Encoding.WHOLE
+    base_update: str | None = None     # delta: the update whose weights it applies onto
+    wire_bytes: int | None = Field(default=None, gt=0)   # delta: bytes of the slot it fills
 
 
 class ApplyReply(BaseModel):
@@ -94,4 +103,5 @@ class ErrorKind(str, enum.Enum):
     SUPERSEDED = "superseded"        # the call names an update that is not the one staged
     DIGEST = "digest_mismatch"
     INCOMPLETE = "incomplete"
+    BASE = "base_mismatch"           # a delta onto weights other than those serving
     STATE = "bad_state"              # the call is not legal in the update's stage

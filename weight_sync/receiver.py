@@ -42,7 +42,8 @@ import torch
 from platforms import platform_of
 from weight_sync import live_digest
 from weight_sync.bucket import Bucket, TensorSpec, host_buffer, plan_buckets, unpack_verified
-from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, ErrorKind,
+from weight_sync.delta import DeltaError, restore, unpack_delta
+from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, Encoding, ErrorKind,
                                   InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
 
@@ -90,6 +91,7 @@ class _Update:
     applied: set[int] = field(default_factory=set)
     started: float = field(default_factory=time.monotonic)
     paused_at: float | None = None          # in-place mode: when the engine was paused
+    base: str | None = None                 # the update serving at open: what a delta applies onto
     prepare: PrepareRequest | None = None
 
     @property
@@ -118,6 +120,7 @@ class Receiver:
         self._update: _Update | None = None
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._served: tuple[int, str] | None = None    # (version, live_digest of the weights serving it)
+        self._live: tuple[str, int, int] | None = None  # (update id, version, weights' address) serving now
         self._lock = threading.Lock()
         # one relay write at a time (they share this host's link), beside the copies under the lock
         self._relays = ThreadPoolExecutor(1, thread_name_prefix="relay")
@@ -162,10 +165,12 @@ class Receiver:
             specs = self.specs()
             plan = plan_buckets(specs, req.bucket_bytes)
             slots = self._take_slots(max(b.nbytes for b in plan), req.num_slots)
-            self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, self._targets(), slots)
+            base = self.live_update()
+            self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, self._targets(), slots,
+                                   base=base)
             return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in slots],
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
-                             current_version=current)
+                             current_version=current, live_update=base)
 
     def apply(self, req: ApplyRequest) -> ApplyReply:
         """Copy bucket `req.bucket` out of staging slot `req.slot` into the update's targets and check
@@ -192,8 +197,11 @@ class Receiver:
                 update.paused_at = time.perf_counter()
                 self._set_torn(True)             # from here until commit the live weights are mixed
             bucket = update.plan[req.bucket]
-            got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest,
-                                  stream=self._stream())
+            if req.encoding is Encoding.DELTA:
+                got = self._unpack_delta(update, req)
+            else:
+                got = unpack_verified(bucket, update.slots[req.slot], update.targets, like=req.digest,
+                                      stream=self._stream())
             if got != req.digest:
                 update.applied.discard(req.bucket)
                 raise ReceiverError(ErrorKind.DIGEST, f"bucket {req.bucket} of version {req.version}: digest "
@@ -238,6 +246,7 @@ class Receiver:
                 stall = time.perf_counter() - (update.paused_at or time.perf_counter())
                 self._set_torn(False)
             self._committed.append(req.update_id)
+            self._live = (req.update_id, req.version, self._address())
             self._end(update, Stage.COMMITTED)
             return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
 
@@ -256,7 +265,7 @@ class Receiver:
                 "torn": self.torn, "stage": self.stage.value,
                 "staged_version": u.version if u else None, "update_id": u.ref.update_id if u else None,
                 "buckets_applied": len(u.applied) if u else 0, "buckets": len(u.plan) if u else 0,
-                "committed_updates": list(self._committed)}
+                "committed_updates": list(self._committed), "live_update": self.live_update()}
 
     def close(self) -> None:
         self._closed.set()
@@ -264,6 +273,37 @@ class Receiver:
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+
+    def live_update(self) -> str | None:
+        """The update whose weights serve now, exactly as it committed them; None when what serves
+        came otherwise (start-up, a reload from disk) or is torn."""
+        if self._live is None or self.torn or not self.engine.has_weights:
+            return None
+        update_id, version, address = self._live
+        return update_id if (version, address) == (self.engine.version, self._address()) else None
+
+    def _address(self) -> int:
+        """Where the live weights lie: a reload from disk replaces them (a new address)."""
+        return next(iter(self.engine.parameters().values())).data_ptr()
+
+    def _unpack_delta(self, update: _Update, req: ApplyRequest) -> str:
+        """A delta bucket onto the base it names, into the update's targets; the digest of the result
+        (or why there is none). In-place, a delta that does not verify is undone, so the live
+        weights stay the base and a rewrite of the same delta applies again."""
+        if update.base is None or req.base_update != update.base:
+            raise ReceiverError(ErrorKind.BASE, f"bucket {req.bucket} of version {req.version} is a delta onto update "
+                                                f"{req.base_update}, but this server serves "
+                                                f"{update.base or 'weights no update of this sender pushed'}")
+        slot = update.slots[req.slot][:req.wire_bytes or update.plan[req.bucket].nbytes]
+        undo: list | None = None if self.shadow else []
+        try:
+            got = unpack_delta(update.plan[req.bucket], slot, update.targets,
+                               base=self.engine.parameters() if self.shadow else None, undo=undo)
+        except DeltaError as e:
+            got = f"undecodable delta ({e})"
+        if got != req.digest and undo:
+            restore(undo)
+        return got
 
     # ---- learning the outcome from peers ----------------------------------------------------------
     def _await_outcome(self, update: _Update) -> None:
@@ -313,7 +353,7 @@ class Receiver:
         runs outside the lock (beside the copies of other buckets); the sender hands this slot to
         another bucket only after the apply returns, and slot memory outlives its update, so a
         write racing an abort lands in memory nothing uses."""
-        src, nbytes = update.slots[req.slot], update.plan[req.bucket].nbytes
+        src, nbytes = update.slots[req.slot], req.wire_bytes or update.plan[req.bucket].nbytes
         failed = {}
         for i, target in enumerate(req.forward):
             try:

@@ -33,7 +33,9 @@ from platforms import detect
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.fanout import AUTO, Fanout, Hop, depth, tree_parents
-from weight_sync.protocol import CommitRequest, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, UpdateRef
+from weight_sync.delta import DeltaBase
+from weight_sync.protocol import (CommitRequest, Encoding, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest,
+                                  UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,15 @@ class PushStats:
     serving: dict[str, int | None] = field(default_factory=dict)   # receiver -> version it serves (None: unknown)
     pending: dict[str, str] = field(default_factory=dict)          # committed here, unconfirmed there: why
     dropped: dict[str, str] = field(default_factory=dict)          # left out of the update (min_fraction)
+    modes: dict[str, str] = field(default_factory=dict)            # receiver -> "delta" | "full"
+    wire_bytes: int = 0            # bytes of the update as it travelled to each receiver, summed over the passes
+    delta_buckets: int = 0         # buckets sent as deltas (others went whole)
+    changed_fraction: float | None = None   # elements changed / compared, over the delta buckets
+
+    @property
+    def wire_fraction(self) -> float:
+        """Bytes on the wire to a receiver over the model's bytes (1.0: a full push)."""
+        return self.wire_bytes / self.bytes if self.bytes else 0.0
 
     @property
     def gbps(self) -> float:
@@ -112,12 +123,15 @@ class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
                  num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
                  api_key: str | None = None, topology: str = "star", fan_out: int = AUTO,
-                 host: str | None = None, protocol: str = "auto", device_name: str = ""):
+                 host: str | None = None, protocol: str = "auto", device_name: str = "", delta: bool = False):
         """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
         stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out; AUTO: chosen per push).
         Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
         the first receiver, loopback for a loopback fleet) with the receivers' protocol and device
-        (`auto`: this machine's platform's, see platforms.Platform.mooncake)."""
+        (`auto`: this machine's platform's, see platforms.Platform.mooncake). `delta`: after a push,
+        keep its weights (the receivers' dtype, one copy where the trainer's lie) and send each later
+        push as the bytes that changed to every receiver that still serves exactly that push (the
+        others, and any bucket whose delta would not pay, go whole; delta.py)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0.0 <= min_fraction <= 1.0:
@@ -143,6 +157,7 @@ class WeightSync:
         self._drop_lock = threading.Lock()
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
+        self.base = DeltaBase() if delta else None
 
     def _client(self, receiver):
         return HttpReceiverClient(receiver, self.timeout_s, self.api_key) if isinstance(receiver, str) else receiver
@@ -162,15 +177,67 @@ class WeightSync:
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
         tensors = named_weights(weights)
+        staged: list[str] = []
 
         def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
-            self.stream(staging, self.plan(specs, stats), self._sources(tensors, specs), ref, stats)
+            """Receivers that serve the base get deltas; the rest (new, evicted and back, restarted,
+            cold-started) the whole weights, in a pass of their own, first: the delta pass moves the
+            base on to the new weights as it goes."""
+            passes = self._passes(staging, stats)
+            for i, (peers, delta) in enumerate(passes):
+                keep = self.base is not None and i == len(passes) - 1
+                packer = self._packer(delta, keep, ref, stats)
+                self.stream(peers, self.plan(specs, stats), self._sources(tensors, specs), ref, stats, packer)
+            staged.append(ref.update_id)
 
         def digest_as(specs: list[TensorSpec]) -> str:
             """live_digest of the pushed weights as the receivers hold them (their names and dtypes)."""
             dtypes = check_weights(tensors, specs)
             return live_digest({s.name: tensors[s.name].detach().to(dtypes[s.name]) for s in specs})
-        return self.run_update(version, InFlight(inflight), stage, digest_as)
+        try:
+            stats = self.run_update(version, InFlight(inflight), stage, digest_as)
+        except CommitIncomplete:
+            self._based(staged)
+            raise
+        except BaseException:
+            if self.base is not None:
+                self.base.forget()          # it may hold part of this push: the next one goes whole
+            raise
+        self._based(staged)
+        return stats
+
+    def _based(self, staged: list[str]) -> None:
+        """The update that staged (and so committed) is the base of the next delta."""
+        if self.base is not None and staged:
+            self.base.update_id = staged[0]
+
+    def _passes(self, staging: list[_Peer], stats: PushStats) -> list[tuple[list[_Peer], bool]]:
+        """(receivers, as deltas?) for each pass of this push: whole first, then deltas."""
+        base = self.base.update_id if self.base is not None else None
+        delta = [p for p in staging if base is not None and p.reply.live_update == base]
+        full = [p for p in staging if p not in delta]
+        for p in staging:
+            stats.modes[p.name] = "delta" if p in delta else "full"
+        return [(peers, peers is delta) for peers in (full, delta) if peers]
+
+    def _packer(self, delta: bool, keep: bool, ref: UpdateRef, stats: PushStats):
+        """How each bucket of a pass goes into its local slot: (bucket, sources, slot) -> (bytes, digest,
+        apply fields). Whole, or a delta where it pays; `keep`: the base follows the new weights."""
+        base = self.base
+        if delta:
+            base.changed = base.elements = 0
+
+        def packer(bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor):
+            got = base.pack(bucket, sources, slot) if delta else None
+            if got is not None:
+                stats.delta_buckets += 1
+                stats.changed_fraction = base.changed / max(1, base.elements)
+                return got[0], got[1], dict(encoding=Encoding.DELTA, base_update=base.update_id, wire_bytes=got[0])
+            dig = pack(bucket, sources, slot)
+            if keep:
+                base.take(bucket, sources, slot)
+            return bucket.nbytes, dig, None
+        return packer
 
     def plan(self, specs: list[TensorSpec], stats: PushStats) -> list[Bucket]:
         """The update's buckets (counted in `stats`)."""
@@ -341,11 +408,13 @@ class WeightSync:
         return of
 
     def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
-               ref: UpdateRef, stats: PushStats) -> None:
+               ref: UpdateRef, stats: PushStats, packer=None) -> None:
         """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
         `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
         accelerator), asked for in plan order just before it is packed (a sharded model gathers
-        them then)."""
+        them then). `packer(bucket, sources, slot)`: how a bucket goes into its local slot, (bytes,
+        digest, apply fields); whole by default."""
+        packer = packer or (lambda bucket, sources, slot: (bucket.nbytes, pack(bucket, sources, slot), None))
         parents = tree_parents(len(peers), self.topology, self.fan_out, buckets=len(plan))
         # Bucket k's local slot is free once the whole tree has verified k (a hop whose copy fails
         # is written again from it): one slot per level of relays keeps the trainer writing while
@@ -362,21 +431,20 @@ class WeightSync:
                     for f in moving:
                         if f.done():
                             f.result()       # an update that cannot go on stops here
-                    pack_s, dig = self._pack(bucket, sources(bucket), k % ring)
-                    stats.pack_s += pack_s
-                    moving.append(pool.submit(fan.bucket, k, bucket.nbytes, dig))
+                    t_pack = time.perf_counter()
+                    nbytes, dig, extra = packer(bucket, sources(bucket), self._local[k % ring])
+                    stats.pack_s += time.perf_counter() - t_pack
+                    stats.wire_bytes += nbytes
+                    moving.append(pool.submit(fan.bucket, k, nbytes, dig, extra))
                 for f in moving:
                     f.result()
             except BaseException as e:       # buckets still moving give up, so the pool can close
                 fan.failed = fan.failed or e
                 raise
-        stats.transfer_s = time.perf_counter() - t
-        stats.apply_s, stats.retries, stats.egress_bytes = fan.apply_s, fan.retries, fan.egress_bytes
-
-    def _pack(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: int) -> tuple[float, str]:
-        t = time.perf_counter()
-        dig = pack(bucket, sources, self._local[slot])
-        return time.perf_counter() - t, dig
+        stats.transfer_s += time.perf_counter() - t
+        stats.apply_s += fan.apply_s
+        stats.retries += fan.retries
+        stats.egress_bytes += fan.egress_bytes
 
     def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
         """Bucket k from a local slot into the peer's staging slot k % num_slots."""
