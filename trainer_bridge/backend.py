@@ -157,7 +157,8 @@ class RolloutBackend:
         self.sync = WeightSync(self.servers, bucket_bytes=ws.bucket_mb << 20, num_slots=ws.num_slots,
                                timeout_s=ws.timeout_s, min_fraction=ws.min_fraction,
                                api_key=self.cfg.server.api_key or None, topology=ws.topology, fan_out=ws.fan_out,
-                               host=self.fleet.host, protocol=ws.protocol, device_name=ws.device_name)
+                               host=self.fleet.host, protocol=ws.protocol, device_name=ws.device_name,
+                               delta=ws.delta)
         if model is not None:
             self._push(model, version)
         self.version = version

@@ -153,6 +153,9 @@ class WeightSyncConfig:
                         "compared with the buckets of a push: a relay sends every byte once per child)")
     min_fraction: float = f(0.5, "a push commits on the servers that remain while at least this share of the "
                                  "fleet does; lost ones are evicted (1.0: all or none)")
+    delta: bool = f(False, "send each push after the first as the weights that changed, to every server that "
+                           "serves the trainer's last push exactly (the rest get the whole weights); costs one copy "
+                           "of the model in the servers' dtype on the trainer")
 
     def problems(self) -> list[str]:
         out = failed([

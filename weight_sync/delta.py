@@ -2,19 +2,23 @@
 
 At the learning rates RL runs use, most weights in the servers' dtype do not change from one step
 to the next (an update smaller than half a bf16 ulp rounds away), so a bucket can travel as the
-elements that differ from the base version the receiver serves. The encoding, per piece of the
-bucket (in plan order), each section 8-byte aligned:
+elements that differ from the base version the receiver serves. Each piece of the bucket (in plan
+order) is encoded as five sections, each 8-byte aligned:
 
-    n        int64                  elements changed in the piece
-    counts   int32[ceil(E / 65536)] changes in each block of 65536 elements
-    low      int16[n]               each change's index within its block (the low 16 bits)
-    values   W[n]                   the new elements, W the piece's element width (1, 2, 4 or 8 bytes)
+    header  int64[3]   n changes, gap bytes, full values
+    gaps    uint8[]    where the changes are: per change, the unchanged elements before it, one
+                       byte each (0..254); a 255 skips 255 elements with no change
+    low     uint8[n]   each change's new low byte
+    flags   uint8[n/8] a bit per change: its upper bytes changed too
+    full    W[]        the new elements of the flagged changes (W: the element's width)
 
-so a change costs its value plus two bytes, and a piece that did not change costs ~8 bytes. The
-diff runs wherever the tensors live (on an accelerator only the encoding crosses to the host).
-Decoding is checked (counts, ranges, lengths) and writes only inside the piece; a malformed
-encoding raises `DeltaError`. Either way the receiver hashes the whole resulting bucket and compares
-it with the sender's digest of the new weights, so a delta push is as exact as a full one.
+A step moves a bf16 weight by an ulp or two, which leaves its upper byte (sign and exponent) as it
+was, so a change costs ~2.1 bytes here where a (position, value) pair costs 6: on the bench's
+training steps at lr 1e-6, 3.6% of the bf16 elements changed and the delta is ~3.9% of the bytes.
+The diff runs where the tensors live (on an accelerator only the encoding crosses to the host).
+Decoding checks every count and range and writes only inside its piece; a malformed encoding raises
+`DeltaError`. Either way the receiver hashes the whole rebuilt bucket and compares it with the
+sender's digest of the new weights, so a delta push is as exact as a full one.
 """
 from __future__ import annotations
 
@@ -25,22 +29,13 @@ import xxhash
 
 from weight_sync.bucket import Bucket, as_bytes
 
-BLOCK_BITS = 16
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SKIP = 255
+_BITS = torch.arange(8, dtype=torch.int32)
 
 
 class DeltaError(ValueError):
     """A delta encoding that does not decode into its bucket (corrupted, truncated, wrong plan)."""
-
-
-@dataclass(frozen=True)
-class Section:
-    """Where a piece's encoding lies in the bucket's wire bytes."""
-    n: int
-    counts: int      # byte offsets in the wire bytes
-    low: int
-    values: int
-    end: int
 
 
 def _pad(n: int) -> int:
@@ -53,26 +48,29 @@ def width(dtype: torch.dtype, offset: int, length: int) -> int:
     return w if w in _INTS and offset % w == 0 and length % w == 0 else 1
 
 
-def layout(at: int, n: int, elements: int, w: int) -> Section:
-    counts = at + 8
-    low = counts + _pad(4 * -(-elements >> BLOCK_BITS) if elements else 0)
-    values = low + _pad(2 * n)
-    return Section(n, counts, low, values, values + _pad(w * n))
-
-
-def encoded_size(n: int, elements: int, w: int) -> int:
-    return layout(0, n, elements, w).end
+def _upper(x: torch.Tensor, w: int) -> torch.Tensor:
+    """Everything but the low byte of each element (w-byte integers)."""
+    return x >> 8 if w > 1 else torch.zeros_like(x)
 
 
 # ---- the sender's side ------------------------------------------------------------------------
 @dataclass
 class PieceDiff:
-    """What changed in one piece: indices (int64, where the tensors live) and their new values."""
+    """What changed in one piece, encoded (tensors where the piece lives), and the change itself."""
     name: str
-    index: torch.Tensor
-    values: torch.Tensor
+    index: torch.Tensor      # int64 [n]: the elements that changed
+    values: torch.Tensor     # [n]: their new values (w-byte integers)
+    gaps: torch.Tensor       # uint8
+    low: torch.Tensor        # uint8 [n]
+    flags: torch.Tensor      # uint8 [ceil(n / 8)]
+    full: torch.Tensor       # w-byte integers
     elements: int
     width: int
+
+    @property
+    def nbytes(self) -> int:
+        return 24 + _pad(self.gaps.numel()) + _pad(self.low.numel()) + _pad(self.flags.numel()) + \
+            _pad(self.width * self.full.numel())
 
 
 def diff_piece(name: str, new: torch.Tensor, base: torch.Tensor, w: int) -> PieceDiff:
@@ -80,22 +78,29 @@ def diff_piece(name: str, new: torch.Tensor, base: torch.Tensor, w: int) -> Piec
     or a -0.0 that differs in its bits is a change, one that does not is not)."""
     new_i, base_i = new.view(_INTS[w]), base.view(_INTS[w])
     index = (new_i != base_i).nonzero().flatten()
-    return PieceDiff(name, index, new_i[index], new_i.numel(), w)
+    values = new_i[index]
+    gap = torch.diff(index, prepend=index.new_full((1,), -1)) - 1        # unchanged elements before each
+    runs = gap // _SKIP + 1                                              # skip bytes, then its own byte
+    gaps = torch.full((int(runs.sum()),), _SKIP, dtype=torch.uint8, device=index.device)
+    gaps[runs.cumsum(0) - 1] = (gap % _SKIP).to(torch.uint8)
+    flagged = _upper(values, w) != _upper(base_i[index], w)
+    bits = torch.nn.functional.pad(flagged.to(torch.int32), (0, -flagged.numel() % 8)).view(-1, 8)
+    flags = (bits << _BITS.to(bits.device)).sum(1).to(torch.uint8)
+    return PieceDiff(name, index, values, gaps, (values & 0xFF).to(torch.uint8), flags, values[flagged],
+                     new_i.numel(), w)
 
 
 def write_delta(diffs: list[PieceDiff], wire: torch.Tensor) -> int:
     """Encode the pieces' diffs into `wire` (flat uint8, host memory; large enough); returns the
-    bytes used. Device tensors come over by DMA into it."""
+    bytes used. Device tensors come over into it."""
     at = 0
     for d in diffs:
-        s = layout(at, d.index.numel(), d.elements, d.width)
-        blocks = -(-d.elements >> BLOCK_BITS)
-        wire[at:at + 8].view(torch.int64)[0] = s.n
-        counts = torch.bincount(d.index >> BLOCK_BITS, minlength=blocks).to(torch.int32)
-        wire[s.counts:s.counts + 4 * blocks].view(torch.int32).copy_(counts)
-        wire[s.low:s.low + 2 * s.n].view(torch.int16).copy_((d.index & 0xFFFF).to(torch.int16))
-        wire[s.values:s.values + d.width * s.n].view(_INTS[d.width]).copy_(d.values)
-        at = s.end
+        wire[at:at + 24].view(torch.int64).copy_(torch.tensor([d.low.numel(), d.gaps.numel(), d.full.numel()]))
+        at += 24
+        for part in (d.gaps, d.low, d.flags, d.full):
+            raw = part.reshape(-1).view(torch.uint8)
+            wire[at:at + raw.numel()].copy_(raw)
+            at += _pad(raw.numel())
     return at
 
 
@@ -105,26 +110,42 @@ def apply_diff(d: PieceDiff, target: torch.Tensor) -> None:
 
 
 # ---- the receiver's side ----------------------------------------------------------------------
-def read_piece(wire: torch.Tensor, at: int, elements: int, w: int) -> tuple[Section, torch.Tensor, torch.Tensor]:
-    """Decode one piece's section starting at byte `at`: (section, int64 indices, values)."""
-    if at + 8 > wire.numel():
-        raise DeltaError(f"truncated at byte {at}")
-    n = int(wire[at:at + 8].view(torch.int64)[0])
-    if not 0 <= n <= elements:
-        raise DeltaError(f"{n} changes claimed in a piece of {elements} elements")
-    s = layout(at, n, elements, w)
-    if s.end > wire.numel():
-        raise DeltaError(f"a section of {s.end - at} bytes at {at} runs past the {wire.numel()} received")
-    blocks = -(-elements >> BLOCK_BITS)
-    counts = wire[s.counts:s.counts + 4 * blocks].view(torch.int32).to(torch.int64)
-    if bool((counts < 0).any()) or int(counts.sum()) != n:
-        raise DeltaError(f"block counts add up to {int(counts.sum())}, not the {n} changes claimed")
-    low = wire[s.low:s.low + 2 * n].view(torch.int16).to(torch.int64) & 0xFFFF
-    block = torch.repeat_interleave(torch.arange(blocks, dtype=torch.int64), counts)
-    index = (block << BLOCK_BITS) | low
-    if n and int(index.max()) >= elements:
-        raise DeltaError(f"a change at element {int(index.max())} of a piece of {elements}")
-    return s, index, wire[s.values:s.values + w * n].view(_INTS[w])
+def _take(wire: torch.Tensor, at: int, nbytes: int, what: str) -> tuple[torch.Tensor, int]:
+    if nbytes < 0 or at + nbytes > wire.numel():
+        raise DeltaError(f"{what}: {nbytes} bytes at {at} run past the {wire.numel()} received")
+    return wire[at:at + nbytes], at + _pad(nbytes)
+
+
+def decode_onto(wire: torch.Tensor, at: int, target: torch.Tensor, w: int, undo: list | None = None) -> int:
+    """Decode the piece whose encoding starts at byte `at` onto `target` (the piece's flat uint8
+    bytes, holding the base), recording what it overwrites in `undo`; returns where the next
+    piece's encoding starts."""
+    head, at = _take(wire, at, 24, "header")
+    n, ngaps, nfull = (int(x) for x in head.view(torch.int64))
+    elements = target.view(_INTS[w])
+    if not (0 <= n <= elements.numel() and n <= ngaps and 0 <= nfull <= n):
+        raise DeltaError(f"header claims {n} changes, {ngaps} gap bytes, {nfull} full values in a piece of "
+                         f"{elements.numel()} elements")
+    gaps, at = _take(wire, at, ngaps, "gaps")
+    low, at = _take(wire, at, n, "low bytes")
+    flags, at = _take(wire, at, -(-n // 8), "flags")
+    full, at = _take(wire, at, w * nfull, "full values")
+    g = gaps.to(torch.int64)
+    change = g != _SKIP
+    index = (torch.where(change, g + 1, _SKIP).cumsum(0) - 1)[change]
+    flagged = ((flags.to(torch.int32)[:, None] >> _BITS) & 1).flatten()[:n].bool()
+    if index.numel() != n or (n and int(index[-1]) >= elements.numel()) or int(flagged.sum()) != nfull:
+        raise DeltaError(f"the gaps give {index.numel()} changes up to element {int(index[-1]) if n else -1} and "
+                         f"the flags {int(flagged.sum())} full values, for {n} changes and {nfull} full values in "
+                         f"a piece of {elements.numel()} elements")
+    index = index.to(target.device)
+    old = elements[index]
+    values = old & ~0xFF | low.to(target.device).to(old.dtype) if w > 1 else low.to(target.device).clone()
+    values[flagged.to(target.device)] = full.view(_INTS[w]).to(target.device)
+    if undo is not None:
+        undo.append((elements, index, old))
+    elements[index] = values
+    return at
 
 
 def unpack_delta(bucket: Bucket, wire: torch.Tensor, targets: dict[str, torch.Tensor],
@@ -140,17 +161,10 @@ def unpack_delta(bucket: Bucket, wire: torch.Tensor, targets: dict[str, torch.Te
     at = 0
     for p in bucket.pieces:
         dst = as_bytes(targets[p.name])[p.offset:p.offset + p.length]
-        w = width(targets[p.name].dtype, p.offset, p.length)
-        s, index, values = read_piece(wire, at, p.length // w, w)
         if base is not None:
             dst.copy_(as_bytes(base[p.name])[p.offset:p.offset + p.length])
-        elements = dst.view(_INTS[w])
-        index, values = index.to(dst.device), values.to(dst.device)
-        if undo is not None:
-            undo.append((elements, index, elements[index].clone()))
-        elements[index] = values
+        at = decode_onto(wire, at, dst, width(targets[p.name].dtype, p.offset, p.length), undo)
         h.update((dst if dst.device.type == "cpu" else dst.cpu()).numpy())
-        at = s.end
     return h.hexdigest()
 
 
@@ -207,7 +221,9 @@ class DeltaBase:
             w = width(src.dtype, p.offset, p.length)
             diffs.append(diff_piece(p.name, as_bytes(src)[p.offset:p.offset + p.length],
                                     base[p.offset:p.offset + p.length], w))
-        size = sum(encoded_size(d.index.numel(), d.elements, d.width) for d in diffs)
+        self.changed += sum(d.index.numel() for d in diffs)
+        self.elements += sum(d.elements for d in diffs)
+        size = sum(d.nbytes for d in diffs)
         if size > self.max_fraction * bucket.nbytes or size > wire.numel():
             return None
         used = write_delta(diffs, wire)
@@ -216,25 +232,15 @@ class DeltaBase:
             from platforms import platform_of
             platform_of(device).synchronize(device)
         h = xxhash.xxh3_128()
+        at = 0
         for p, d in zip(bucket.pieces, diffs):
             base, mirror = self._views(p.name, sources[p.name])
             apply_diff(d, base[p.offset:p.offset + p.length])
             if mirror.data_ptr() != base.data_ptr():     # the host copy takes the changes from the wire
-                _, index, values = read_piece(wire, _section_start(diffs, d), d.elements, d.width)
-                apply_diff(PieceDiff(d.name, index, values, d.elements, d.width), mirror[p.offset:p.offset + p.length])
+                decode_onto(wire, at, mirror[p.offset:p.offset + p.length], d.width)
+            at += d.nbytes
             # On the CPU the digest is of the trainer's bytes themselves; elsewhere of the host copy.
             new = as_bytes(sources[p.name])[p.offset:p.offset + p.length] if device.type == "cpu" else \
                 mirror[p.offset:p.offset + p.length]
             h.update(new.numpy())
-            self.changed += d.index.numel()
-            self.elements += d.elements
         return used, h.hexdigest()
-
-
-def _section_start(diffs: list[PieceDiff], d: PieceDiff) -> int:
-    at = 0
-    for e in diffs:
-        if e is d:
-            return at
-        at += encoded_size(e.index.numel(), e.elements, e.width)
-    raise ValueError(f"{d.name} is not among the bucket's diffs")

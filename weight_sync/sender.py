@@ -229,9 +229,10 @@ class WeightSync:
 
         def packer(bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor):
             got = base.pack(bucket, sources, slot) if delta else None
+            if delta:
+                stats.changed_fraction = base.changed / max(1, base.elements)
             if got is not None:
                 stats.delta_buckets += 1
-                stats.changed_fraction = base.changed / max(1, base.elements)
                 return got[0], got[1], dict(encoding=Encoding.DELTA, base_update=base.update_id, wire_bytes=got[0])
             dig = pack(bucket, sources, slot)
             if keep:

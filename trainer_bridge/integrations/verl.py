@@ -65,16 +65,17 @@ class RiptideCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine over Riptide's weight sync (see the module's docstring). Engine
     kwargs (`rollout.checkpoint_engine.engine_kwargs.riptide`): `num_slots`, `timeout_s`,
     `protocol` (tcp | rdma), `topology` (star | chain | tree), `fan_out`, `server_url` (a rollout
-    worker's server, when no adapter in its process registered one), `api_key`."""
+    worker's server, when no adapter in its process registered one), `api_key`, `delta` (send each
+    step's changed weights only, to servers that serve the last step exactly)."""
 
     def __init__(self, bucket_size: int, is_master: bool = False, server_url: str | None = None,
                  num_slots: int = 4, timeout_s: float = 60.0, protocol: str = "tcp", topology: str = "star",
                  fan_out: int = 2, api_key: str | None = None, device_name: str = "",
-                 receive_timeout_s: float = 300.0) -> None:
+                 receive_timeout_s: float = 300.0, delta: bool = False) -> None:
         self.bucket_size, self.is_master = bucket_size, is_master
         self.server_url, self.api_key = server_url, api_key
         self.options = dict(num_slots=num_slots, timeout_s=timeout_s, protocol=protocol, topology=topology,
-                            fan_out=fan_out, device_name=device_name)
+                            fan_out=fan_out, device_name=device_name, delta=delta)
         self.receive_timeout_s = receive_timeout_s
         self.rank, self.urls = -1, []
         self.sync = None                             # the master's WeightSync, kept across steps
@@ -111,7 +112,8 @@ class RiptideCheckpointEngine(CheckpointEngine):
             o = self.options
             self.sync = WeightSync(self.urls, bucket_bytes=self.bucket_size, num_slots=o["num_slots"],
                                    timeout_s=o["timeout_s"], api_key=self.api_key, topology=o["topology"],
-                                   fan_out=o["fan_out"], protocol=o["protocol"], device_name=o["device_name"])
+                                   fan_out=o["fan_out"], protocol=o["protocol"], device_name=o["device_name"],
+                                   delta=o["delta"])
 
     def finalize(self) -> None:
         pass                                          # the engine and its registered slots stay for the next step
