@@ -4,7 +4,8 @@
 
 Model: a random Qwen2 (hidden 1024, 17 layers, 16/4 heads, intermediate 2730, vocab 32000, untied,
 float32) = 1.011 GB of parameters, built once into .cache/bench-1gb. The trainer side is the same
-checkpoint loaded with `from_pretrained`; before every update one element of every tensor is nudged,
+checkpoint loaded with `from_pretrained` (then copied into its own memory, as an optimizer's steps
+leave a trainer's weights); before every update one element of every tensor is nudged,
 so every version really differs (checked at the end: the servers' weight digests equal the trainer's).
 
  (a) riptide_gbps: `WeightSync([server]).push(weights, v)` to one idle server (shadow mode), bytes /
@@ -206,6 +207,11 @@ def main() -> None:
     t_start = time.perf_counter()
     path = model_dir(Path(a.model_dir))
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).to(a.device)
+    # from_pretrained maps the checkpoint file: the first read of every page faults. A trainer's
+    # weights are its own memory once its optimizer has stepped (Adam writes every element), so the
+    # bench's are too (a push reads them where they lie, without a copy: sender.WeightSync._direct_or).
+    for t in trainer.parameters():
+        t.data = t.data.clone()
     params = named_weights(trainer)
     nbytes = sum(t.nbytes for t in params.values())
     log(f"model: {nbytes / 1e9:.3f} GB in {len(params)} tensors")
