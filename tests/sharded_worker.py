@@ -11,7 +11,9 @@ push_sharded. Rank 0 writes OUT_JSON: the push's outcome, the digest of the full
 and the gathered model saved with save_pretrained (for a server to load) under OUT_JSON's dir.
 `--die-at-message N`: rank 1 exits at once (os._exit) on rank 0's message N (0: the plan, then
 one a bucket): a rank lost mid-push. `--mode direct|gather`: push_sharded's mode; `--topology`:
-the WeightSync's, over the servers given.
+the WeightSync's, over the servers given. `--delta-steps N`: delta sync on (`WeightSync(delta=True)`),
+and after the first push N more, each after every rank moved 2% of its own shard's elements (as
+versions VERSION+1 ... VERSION+N); rank 0 records each push's mode, wire and changed fractions.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def main() -> None:
     p.add_argument("--bucket-kb", type=int, default=256)
     p.add_argument("--mode", default="direct")
     p.add_argument("--topology", default="star")
+    p.add_argument("--delta-steps", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -71,10 +74,20 @@ def main() -> None:
         sharded.listen = dying
 
     sync = WeightSync(a.url.split(","), bucket_bytes=a.bucket_kb << 10, timeout_s=20,
-                      topology=a.topology) if rank == 0 else None
-    result: dict = {"rank": rank}
+                      topology=a.topology, delta=a.delta_steps > 0) if rank == 0 else None
+    result: dict = {"rank": rank, "pushes": []}
     try:
         stats = sharded.push_sharded(model, a.version, sync, mode=a.mode)
+        for step in range(1, a.delta_steps + 1):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            with torch.no_grad():
+                for t in model.parameters():
+                    local = t.to_local().view(-1)
+                    at = torch.randperm(local.numel(), generator=g)[:max(1, local.numel() // 50)]
+                    local[at] += 0.01
+            stats = sharded.push_sharded(model, a.version + step, sync, mode=a.mode)
+            result["pushes"].append({"modes": sorted(set(stats.modes.values())), "wire_fraction": stats.wire_fraction,
+                                     "changed_fraction": stats.changed_fraction})
         result.update(ok=True, version=stats.version, buckets=stats.buckets, bytes=stats.bytes,
                       egress_by_rank=stats.egress_by_rank, peak_gathered_bytes=stats.peak_gathered_bytes)
     except WeightSyncError as e:

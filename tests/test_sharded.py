@@ -93,6 +93,26 @@ def test_a_direct_sharded_push_down_a_chain_is_written_once_and_relayed(target, 
             s.stop()
 
 
+def test_sharded_delta_pushes_send_each_ranks_changed_rows_and_serve_the_gathered_weights(tiny_model, tmp_path,
+                                                                                      tmp_path_factory):
+    """Delta sync from two FSDP2 ranks into two servers: after the first (whole) push, each rank diffs
+    the rows it holds against what it last pushed and sends only the changes; both servers end
+    bit-identical to the gathered weights."""
+    servers = [start_server(tiny_model, tmp_path_factory) for _ in range(2)]
+    try:
+        urls = [s.url for s in servers]
+        version = max(served(u)[0] for u in urls) + 1
+        rank0, rank1 = run_ranks(tiny_model, ",".join(urls), version, tmp_path / "delta.json", "--delta-steps", "3")
+        assert rank0["ok"] and rank1["ok"], (rank0, rank1)
+        assert [p["modes"] for p in rank0["pushes"]] == [["delta"]] * 3 == [p["modes"] for p in rank1["pushes"]]
+        for p in rank0["pushes"]:
+            assert 0.01 < p["changed_fraction"] < 0.05 and p["wire_fraction"] < 0.2, p
+        assert [served(u) for u in urls] == [(version + 3, rank0["digest"])] * 2
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def test_a_rank_lost_mid_push_leaves_the_old_weights_and_a_retry_commits(target, tiny_model, tmp_path):
     before = served(target.url)
     rank0, rank1 = run_ranks(tiny_model, target.url, before[0] + 1, tmp_path / "lost.json", "--die-at-message", "4")

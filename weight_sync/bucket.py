@@ -172,7 +172,8 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 # A bucket written by several senders (the ranks of a sharded trainer, each its own bytes) has no
 # one sender that saw all of it: its digest is a list of parts, each range's own xxh3-128, ranges in
-# order and covering the bucket: "parts:START+LENGTH=HEX;...".
+# order and covering the bucket: "parts:START+LENGTH=HEX;...". A range sent as a delta (delta.py)
+# says how many bytes of it the encoding fills: "START+LENGTH~WIRE=HEX", HEX the rebuilt bytes'.
 _PARTS = "parts:"
 
 
@@ -180,27 +181,34 @@ def is_parts_digest(d: str) -> bool:
     return d.startswith(_PARTS)
 
 
-def format_parts_digest(parts: list[tuple[int, int, str]], nbytes: int) -> str:
-    """The digest of a bucket of `nbytes` from its parts (start, length, xxh3 hex); they must cover
-    the bucket exactly, without overlap."""
+def format_parts_digest(parts: list[tuple], nbytes: int) -> str:
+    """The digest of a bucket of `nbytes` from its parts (start, length, xxh3 hex[, delta bytes]); they
+    must cover the bucket exactly, without overlap."""
     parts = sorted(parts)
     at = 0
-    for start, length, _ in parts:
+    for start, length, *_ in parts:
         if start != at or length <= 0:
             raise ValueError(f"bucket parts do not tile it: a part at {start} (+{length}) where {at} was next")
         at += length
     if at != nbytes:
         raise ValueError(f"bucket parts cover {at} of its {nbytes} bytes")
-    return _PARTS + ";".join(f"{s}+{n}={h}" for s, n, h in parts)
+    return _PARTS + ";".join(f"{p[0]}+{p[1]}" + (f"~{p[3]}" if len(p) > 3 and p[3] else "") + f"={p[2]}"
+                             for p in parts)
 
 
-def parse_parts_digest(d: str) -> list[tuple[int, int]]:
+def parse_parts(d: str) -> list[tuple[int, int, int | None]]:
+    """(start, length, delta bytes or None) of each part of a parts digest."""
     out = []
     for item in d.removeprefix(_PARTS).split(";"):
         where, _, _ = item.partition("=")
-        start, _, length = where.partition("+")
-        out.append((int(start), int(length)))
+        start, _, rest = where.partition("+")
+        length, _, wire = rest.partition("~")
+        out.append((int(start), int(length), int(wire) if wire else None))
     return out
+
+
+def parse_parts_digest(d: str) -> list[tuple[int, int]]:
+    return [(s, n) for s, n, _ in parse_parts(d)]
 
 
 def parts_digest(slot: torch.Tensor, ranges: list[tuple[int, int]]) -> str:

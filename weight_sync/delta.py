@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from weight_sync.bucket import Bucket, as_bytes
+from weight_sync.bucket import Bucket, as_bytes, format_parts_digest, parse_parts
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SKIP = 255
@@ -95,7 +95,7 @@ def write_delta(diffs: list[PieceDiff], wire: torch.Tensor) -> int:
     bytes used. Device tensors come over into it."""
     at = 0
     for d in diffs:
-        wire[at:at + 24].view(torch.int64).copy_(torch.tensor([d.low.numel(), d.gaps.numel(), d.full.numel()]))
+        wire[at:at + 24].copy_(torch.tensor([d.low.numel(), d.gaps.numel(), d.full.numel()]).view(torch.uint8))
         at += 24
         for part in (d.gaps, d.low, d.flags, d.full):
             raw = part.reshape(-1).view(torch.uint8)
@@ -121,7 +121,7 @@ def decode_onto(wire: torch.Tensor, at: int, target: torch.Tensor, w: int, undo:
     bytes, holding the base), recording what it overwrites in `undo`; returns where the next
     piece's encoding starts."""
     head, at = _take(wire, at, 24, "header")
-    n, ngaps, nfull = (int(x) for x in head.view(torch.int64))
+    n, ngaps, nfull = (int(x) for x in head.clone().view(torch.int64))    # clone: `at` may be unaligned
     elements = target.view(_INTS[w])
     if not (0 <= n <= elements.numel() and n <= ngaps and 0 <= nfull <= n):
         raise DeltaError(f"header claims {n} changes, {ngaps} gap bytes, {nfull} full values in a piece of "
@@ -141,7 +141,7 @@ def decode_onto(wire: torch.Tensor, at: int, target: torch.Tensor, w: int, undo:
     index = index.to(target.device)
     old = elements[index]
     values = old & ~0xFF | low.to(target.device).to(old.dtype) if w > 1 else low.to(target.device).clone()
-    values[flagged.to(target.device)] = full.view(_INTS[w]).to(target.device)
+    values[flagged.to(target.device)] = full.clone().view(_INTS[w]).to(target.device)
     if undo is not None:
         undo.append((elements, index, old))
     elements[index] = values
@@ -166,6 +166,30 @@ def unpack_delta(bucket: Bucket, wire: torch.Tensor, targets: dict[str, torch.Te
         at = decode_onto(wire, at, dst, width(targets[p.name].dtype, p.offset, p.length), undo)
         h.update((dst if dst.device.type == "cpu" else dst.cpu()).numpy())
     return h.hexdigest()
+
+
+def unpack_parts(bucket: Bucket, slot: torch.Tensor, targets: dict[str, torch.Tensor], like: str,
+                 base: dict[str, torch.Tensor] | None = None, undo: list | None = None) -> str:
+    """A bucket several ranks wrote (a parts digest, `like`), some of its ranges as deltas: each range
+    is copied out of the slot, or rebuilt onto its base from the delta at its start, into `targets`;
+    returns the parts digest of what landed there, in `like`'s form. A range lies inside one piece."""
+    out = []
+    for start, length, wire in parse_parts(like):
+        p = next((p for p in bucket.pieces if p.bucket_offset <= start and start + length <= p.bucket_offset + p.length),
+                 None)
+        if p is None:
+            raise DeltaError(f"bytes {start}+{length} of bucket {bucket.index} span pieces")
+        at = p.offset + start - p.bucket_offset
+        dst = as_bytes(targets[p.name])[at:at + length]
+        if wire is None:
+            dst.copy_(slot[start:start + length])
+        else:
+            if base is not None:
+                dst.copy_(as_bytes(base[p.name])[at:at + length])
+            decode_onto(slot[start:start + min(wire, length)], 0, dst, width(targets[p.name].dtype, at, length), undo)
+        h = xxhash.xxh3_128_hexdigest((dst if dst.device.type == "cpu" else dst.cpu()).numpy())
+        out.append((start, length, h, wire))
+    return format_parts_digest(out, bucket.nbytes)
 
 
 def restore(undo: list) -> None:
@@ -194,7 +218,7 @@ class DeltaBase:
     def forget(self) -> None:
         self.update_id = None
 
-    def _views(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pair(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.tensors.get(name)
         if t is None or t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
             t = self.tensors[name] = torch.empty_like(like)
@@ -202,10 +226,14 @@ class DeltaBase:
                 like.shape, dtype=like.dtype, pin_memory=True)
         return as_bytes(t), as_bytes(self.mirror[name])
 
+    def view(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The base's bytes of tensor `name`, shaped as `like` (made, uninitialised, on first use)."""
+        return self._pair(name, like)[0]
+
     def take(self, bucket: Bucket, sources: dict[str, torch.Tensor], packed: torch.Tensor) -> None:
         """After a whole bucket was packed into `packed` (host): the base takes its new bytes."""
         for p in bucket.pieces:
-            base, mirror = self._views(p.name, sources[p.name])
+            base, mirror = self._pair(p.name, sources[p.name])
             if base.data_ptr() != mirror.data_ptr():
                 base[p.offset:p.offset + p.length].copy_(as_bytes(sources[p.name])[p.offset:p.offset + p.length])
             mirror[p.offset:p.offset + p.length].copy_(packed[p.bucket_offset:p.bucket_offset + p.length])
@@ -217,7 +245,7 @@ class DeltaBase:
         diffs = []
         for p in bucket.pieces:
             src = sources[p.name]
-            base, _ = self._views(p.name, src)
+            base, _ = self._pair(p.name, src)
             w = width(src.dtype, p.offset, p.length)
             diffs.append(diff_piece(p.name, as_bytes(src)[p.offset:p.offset + p.length],
                                     base[p.offset:p.offset + p.length], w))
@@ -234,7 +262,7 @@ class DeltaBase:
         h = xxhash.xxh3_128()
         at = 0
         for p, d in zip(bucket.pieces, diffs):
-            base, mirror = self._views(p.name, sources[p.name])
+            base, mirror = self._pair(p.name, sources[p.name])
             apply_diff(d, base[p.offset:p.offset + p.length])
             if mirror.data_ptr() != base.data_ptr():     # the host copy takes the changes from the wire
                 decode_onto(wire, at, mirror[p.offset:p.offset + p.length], d.width)

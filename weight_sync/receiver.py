@@ -41,8 +41,8 @@ import torch
 
 from platforms import platform_of
 from weight_sync import live_digest
-from weight_sync.bucket import Bucket, TensorSpec, host_buffer, plan_buckets, unpack_verified
-from weight_sync.delta import DeltaError, restore, unpack_delta
+from weight_sync.bucket import Bucket, TensorSpec, host_buffer, is_parts_digest, plan_buckets, unpack_verified
+from weight_sync.delta import DeltaError, restore, unpack_delta, unpack_parts
 from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, Encoding, ErrorKind,
                                   InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
@@ -296,9 +296,12 @@ class Receiver:
                                                 f"{update.base or 'weights no update of this sender pushed'}")
         slot = update.slots[req.slot][:req.wire_bytes or update.plan[req.bucket].nbytes]
         undo: list | None = None if self.shadow else []
+        base = self.engine.parameters() if self.shadow else None
         try:
-            got = unpack_delta(update.plan[req.bucket], slot, update.targets,
-                               base=self.engine.parameters() if self.shadow else None, undo=undo)
+            if is_parts_digest(req.digest):            # a sharded push: ranges from several ranks
+                got = unpack_parts(update.plan[req.bucket], slot, update.targets, req.digest, base, undo)
+            else:
+                got = unpack_delta(update.plan[req.bucket], slot, update.targets, base, undo)
         except DeltaError as e:
             got = f"undecodable delta ({e})"
         if got != req.digest and undo:

@@ -38,11 +38,12 @@ import torch
 
 from weight_sync import named_weights
 from platforms import MooncakeArgs
-from weight_sync.bucket import (Bucket, TensorSpec, _copy_hashed, as_bytes, format_parts_digest, host_buffer,
-                                plan_buckets, to_host)
+from weight_sync.bucket import (Bucket, TensorSpec, _copy_hashed, as_bytes, digest, format_parts_digest,
+                                host_buffer, plan_buckets, to_host)
+from weight_sync.delta import DeltaBase, apply_diff, diff_piece, width, write_delta
 from weight_sync.clients import ReceiverCallError
 from weight_sync.fanout import TRAINER, Fanout, Hop, tree_parents
-from weight_sync.protocol import InFlight, UpdateRef
+from weight_sync.protocol import Encoding, InFlight, UpdateRef
 from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, check_weights
 from weight_sync.transports import Transport, TransportError, WriteOp
 
@@ -51,9 +52,9 @@ class Say(str, enum.Enum):
     """What rank 0 tells the other ranks during a sharded push: (Say, body)."""
     PLAN = "plan"          # body: the mode
     GATHER = "gather"      # gather-then-push: the names of the next bucket's tensors (full_tensor)
-    SPECS = "specs"        # direct: (specs, bucket_bytes, timeout_s, mooncake): build the rank's writer
-    WRITE = "write"        # direct: (bucket k, targets): write this rank's bytes of bucket k
-    DONE = "done"          # body: the push's stats
+    SPECS = "specs"        # direct: (specs, bucket_bytes, timeout_s, mooncake, delta): build the rank's writer
+    WRITE = "write"        # direct: (bucket k, targets, delta base): write this rank's bytes of bucket k
+    DONE = "done"          # body: the push's stats (and its update id: the ranks' next delta base)
     FAILED = "failed"      # body: why
 
 
@@ -171,7 +172,9 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
             pass
         raise
     announce((Say.DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
-                   "seconds": time.perf_counter() - t0, "serving": stats.serving}), group)
+                   "seconds": time.perf_counter() - t0, "serving": stats.serving, "update_id": sync._ref.update_id,
+                   "wire_bytes": stats.wire_bytes, "modes": stats.modes, "changed_fraction": stats.changed_fraction}),
+             group)
     return stats
 
 
@@ -189,21 +192,27 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
     peak = 0
     while True:
         kind, body = listen(group)
+        if kind is Say.FAILED and writer is not None and writer.base is not None:
+            writer.base.forget()                 # it may hold part of the failed push
         if kind is Say.GATHER:
             held = [tensors[n].detach().full_tensor() for n in body if isinstance(tensors[n], dtensor)]
             peak = max(peak, sum(t.nbytes for t in held))
             del held
         elif kind is Say.SPECS:
-            specs, bucket_bytes, timeout_s, mooncake = body
+            specs, bucket_bytes, timeout_s, mooncake, delta = body
             specs = [TensorSpec(*s) for s in specs]
             writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
-                                 bucket_bytes, timeout_s, mooncake=mooncake)
+                                 bucket_bytes, timeout_s, mooncake=mooncake,
+                                 base=_rank_base(specs) if delta else None)
         elif kind is Say.WRITE:
-            k, targets = body
-            _gather(writer.write(k, targets), group)
+            k, targets, delta_base = body
+            _gather(writer.write(k, targets, delta_base), group)
         elif kind is Say.DONE:
+            if writer is not None and writer.base is not None:
+                writer.base.update_id = body["update_id"]
             stats = PushStats(version=body["version"], bytes=body["bytes"], buckets=body["buckets"],
-                              seconds=body["seconds"], serving=body["serving"])
+                              seconds=body["seconds"], serving=body["serving"], modes=body["modes"],
+                              wire_bytes=body["wire_bytes"], changed_fraction=body["changed_fraction"])
             stats.peak_gathered_bytes = max(peak, writer.peak_gathered_bytes if writer else 0)
             return stats
         else:
@@ -225,6 +234,13 @@ def _shard0_rows(t) -> tuple[int, int] | None:
 
 
 _WRITERS: dict[str, tuple[Transport, torch.Tensor]] = {}   # a rank's engine and buffer, by its host
+_BASES: dict[tuple[TensorSpec, ...], DeltaBase] = {}       # a rank's bytes as last pushed, by model (delta)
+
+
+def _rank_base(specs: list[TensorSpec]) -> DeltaBase:
+    """This process's delta base for the model of these specs: its own bytes of every tensor as the
+    last committed push wrote them, kept between pushes (the ranks have no object that lasts)."""
+    return _BASES.setdefault(tuple(specs), DeltaBase())
 
 
 def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None,
@@ -258,8 +274,9 @@ class _RankWriter:
 
     def __init__(self, tensors: dict[str, torch.Tensor], group, plan: list[Bucket], dtypes: dict[str, torch.dtype],
                  bucket_bytes: int, timeout_s: float, sync: WeightSync | None = None,
-                 mooncake: MooncakeArgs | None = None):
+                 mooncake: MooncakeArgs | None = None, base: DeltaBase | None = None):
         self.tensors, self.group, self.plan, self.dtypes = tensors, group, plan, dtypes
+        self.base = base                     # delta sync: this rank's bytes as the last push left them
         self.bucket_bytes, self.timeout_s, self.sync = bucket_bytes, timeout_s, sync
         self.mooncake = mooncake or sync.mooncake
         self.rank = torch.distributed.get_rank(group)
@@ -294,24 +311,27 @@ class _RankWriter:
             start = 0
         return as_bytes(_host(t, dtype)), start
 
-    def write(self, k: int, targets: list[tuple[str, int]]) -> tuple[list[tuple[int, int, str]], dict[int, str], int]:
-        """Bucket k's bytes this rank holds into every target (session, slot address). Returns the
-        parts written (bucket offset, length, xxh3), the targets whose write failed (index -> why)
-        and the bytes this rank sent."""
+    def write(self, k: int, targets: list[tuple[str, int]], delta_base: str | None = None) -> tuple:
+        """Bucket k's bytes this rank holds into every target (session, slot address); with
+        `delta_base` (the update every target serves), each range this rank's base holds as that
+        update left it goes as a delta where that pays. Returns the parts written (bucket offset,
+        length, xxh3 of the new bytes[, delta bytes]), the targets whose write failed (index -> why),
+        the bytes this rank sent, and (elements changed, compared)."""
         bucket = self.plan[k]
-        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", self.bucket_bytes, self.sync,
-                                      self.mooncake)
-        parts, ops, at = [], [], 0
+        room = self.bucket_bytes + 8 * max(len(b.pieces) for b in self.plan)    # ranges start 8-aligned
+        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", room, self.sync, self.mooncake)
+        delta = delta_base is not None and self.base is not None and self.base.update_id == delta_base
+        parts, ops, at, changed = [], [], 0, [0, 0]
         for p in bucket.pieces:
             mine = self._bytes(p.name)
             if mine is not None:
                 data, start = mine
                 lo, hi = max(start, p.offset), min(start + data.numel(), p.offset + p.length)
                 if lo < hi:
-                    h = _copy_hashed([(buf[at:at + hi - lo], data[lo - start:hi - start])])
-                    parts.append((p.bucket_offset + lo - p.offset, hi - lo, h))
-                    ops.append((at, p.bucket_offset + lo - p.offset, hi - lo))
-                    at += hi - lo
+                    part, n = self._range(p, data, start, lo, hi, buf[at:], delta, changed)
+                    parts.append(part)
+                    ops.append((at, part[0], n))
+                    at += -(-n // 8) * 8
             if self._last[p.name] <= k:
                 self._local.pop(p.name, None)
         errors, sent = {}, 0
@@ -320,10 +340,30 @@ class _RankWriter:
             for i, (session, addr) in enumerate(targets):
                 try:
                     transport.write(session, [WriteOp(base + a, addr + b, n) for a, b, n in ops], self.timeout_s)
-                    sent += at
+                    sent += sum(n for _, _, n in ops)
                 except TransportError as e:
                     errors[i] = f"rank {self.rank}: {e}"
-        return parts, errors, sent
+        return parts, errors, sent, tuple(changed)
+
+    def _range(self, p, data: torch.Tensor, start: int, lo: int, hi: int, out: torch.Tensor, delta: bool,
+               changed: list[int]) -> tuple[tuple, int]:
+        """Bytes [lo, hi) of piece p's tensor (this rank holds them from byte `start` of it) into
+        `out`, as a delta against the base or whole; the base takes the new bytes. Returns the part
+        and the bytes used."""
+        new = data[lo - start:hi - start]
+        old = self.base.view(p.name, data)[lo - start:hi - start] if self.base is not None else None
+        offset = p.bucket_offset + lo - p.offset
+        if delta:
+            d = diff_piece(p.name, new, old, width(self.dtypes[p.name], lo, hi - lo))
+            changed[0], changed[1] = changed[0] + d.index.numel(), changed[1] + d.elements
+            if d.nbytes <= self.base.max_fraction * (hi - lo):
+                n = write_delta([d], out)
+                apply_diff(d, old)
+                return (offset, hi - lo, digest(new), n), n
+        h = _copy_hashed([(out[:hi - lo], new)])
+        if old is not None:
+            old.copy_(new)
+        return (offset, hi - lo, h), hi - lo
 
 
 def _gather(obj, group) -> list | None:
@@ -340,23 +380,65 @@ class _DirectPush:
 
     def __init__(self, sync: WeightSync, tensors: dict[str, torch.Tensor], group):
         self.sync, self.tensors, self.group = sync, tensors, group
+        self.base: DeltaBase | None = None
 
     def push(self, version: int, inflight: InFlight) -> PushStats:
-        return self.sync.run_update(version, inflight, self._stage)
+        try:
+            stats = self.sync.run_update(version, inflight, self._stage)
+        except BaseException:
+            if self.base is not None:
+                self.base.forget()
+            raise
+        if self.base is not None:
+            self.base.update_id = self.sync._ref.update_id
+        return stats
 
     def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         sync = self.sync
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
-        announce((Say.SPECS, (wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake)), self.group)
-        writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync)
+        delta = sync.base is not None
+        announce((Say.SPECS, (wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake, delta)), self.group)
+        self.base = _rank_base(specs) if delta else None
+        writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync,
+                             base=self.base)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
+
+    def _delta_base(self, peers: list[_Peer], stats: PushStats) -> str | None:
+        """The update the ranks send deltas against: theirs, when every server serves it (a rank
+        still sends whole what its own base does not hold); else None, whole everywhere."""
+        base = self.base.update_id if self.base is not None else None
+        delta_base = base if base is not None and all(p.reply.live_update == base for p in peers) else None
+        for p in peers:
+            stats.modes[p.name] = "delta" if delta_base else "full"
+        return delta_base
+
+    def _collect(self, bucket: Bucket, results: list, live: list[_Peer], delta_base: str | None, stats: PushStats,
+                 changed: list[int]) -> tuple[str, dict | None]:
+        """Every rank's report of a bucket: counted, its failed writes' servers dropped; returns the
+        bucket's parts digest and its apply fields (a delta's, when a range went as one)."""
+        parts = [part for r in results for part in r[0]]
+        stats.wire_bytes += sum(part[3] if len(part) > 3 else part[1] for part in parts)
+        if not stats.egress_by_rank:
+            stats.egress_by_rank = [0] * len(results)
+        for rank, (_, failed, sent, (diffs, compared)) in enumerate(results):
+            changed[0], changed[1] = changed[0] + diffs, changed[1] + compared
+            stats.egress_bytes += sent
+            stats.egress_by_rank[rank] += sent
+            for i, why in failed.items():
+                self.sync._drop(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
+        deltas = any(len(part) > 3 for part in parts)
+        stats.delta_buckets += deltas
+        return (format_parts_digest(parts, bucket.nbytes),
+                dict(encoding=Encoding.DELTA, base_update=delta_base) if deltas else None)
 
     def _stream(self, peers: list[_Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
         sync, n = self.sync, self.sync.num_slots
         written: dict[int, set[int]] = {}      # bucket -> the servers the ranks wrote it into
+        delta_base = self._delta_base(peers, stats)
+        changed = [0, 0]
 
         def hop_write(peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
             """The fan-out's trainer -> server write: the ranks did it already, into the servers
@@ -383,18 +465,10 @@ class _DirectPush:
                     live = [peers[i] for i in fan.children(TRAINER)]
                     written[k] = {id(p) for p in live}
                     targets = [(p.reply.session, p.reply.slot_addrs[k % n]) for p in live]
-                    announce((Say.WRITE, (k, targets)), self.group)
-                    results = _gather(writer.write(k, targets), self.group)
-                    parts = [part for r in results for part in r[0]]
-                    if not stats.egress_by_rank:
-                        stats.egress_by_rank = [0] * len(results)
-                    for rank, r in enumerate(results):
-                        stats.egress_bytes += r[2]
-                        stats.egress_by_rank[rank] += r[2]
-                        for i, why in r[1].items():
-                            sync._drop(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
-                    digest = format_parts_digest(parts, bucket.nbytes)
-                    moving.append(pool.submit(fan.bucket, k, bucket.nbytes, digest))
+                    announce((Say.WRITE, (k, targets, delta_base)), self.group)
+                    results = _gather(writer.write(k, targets, delta_base), self.group)
+                    digest, extra = self._collect(bucket, results, live, delta_base, stats, changed)
+                    moving.append(pool.submit(fan.bucket, k, bucket.nbytes, digest, extra))
                 for f in moving:
                     f.result()
             except BaseException as e:
@@ -402,3 +476,5 @@ class _DirectPush:
                 raise
         stats.transfer_s = time.perf_counter() - t
         stats.apply_s, stats.retries = fan.apply_s, fan.retries
+        if delta_base:
+            stats.changed_fraction = changed[0] / max(1, changed[1])
