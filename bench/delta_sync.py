@@ -101,18 +101,19 @@ def drive(a) -> dict:
             full.push(model, version)
             out["model_bytes"] = sum(t.numel() * 2 for t in named_weights(model).values())
             for ids, labels in batches(tokenizer, a.steps, a.batch, seed=0):
-                loss = model(input_ids=ids, labels=labels).loss
-                loss.backward()
+                out_loss = model(input_ids=ids, labels=labels).loss
+                out_loss.backward()
+                loss = out_loss.item()
                 opt.step()
                 opt.zero_grad()
                 version += 1
                 d = delta.push(model, version)
                 f = full.push(model, version)
-                steps.append({"loss": round(float(loss), 4), "changed_fraction": round(d.changed_fraction, 5),
+                steps.append({"loss": round(loss, 4), "changed_fraction": round(d.changed_fraction, 5),
                               "wire_fraction": round(d.wire_fraction, 5), "delta_push_s": round(d.seconds, 4),
                               "full_push_s": round(f.seconds, 4), "delta_buckets": d.delta_buckets,
                               "buckets": d.buckets})
-                log(f"lr {lr:g} step {len(steps)}: loss {float(loss):.3f}, changed {d.changed_fraction:.4f}, "
+                log(f"lr {lr:g} step {len(steps)}: loss {loss:.3f}, changed {d.changed_fraction:.4f}, "
                     f"wire {d.wire_fraction:.4f}, delta {d.seconds:.3f} s, full {f.seconds:.3f} s")
         finally:
             delta.close()
