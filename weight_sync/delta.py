@@ -230,13 +230,16 @@ class DeltaBase:
         """The base's bytes of tensor `name`, shaped as `like` (made, uninitialised, on first use)."""
         return self._pair(name, like)[0]
 
-    def take(self, bucket: Bucket, sources: dict[str, torch.Tensor], packed: torch.Tensor) -> None:
-        """After a whole bucket was packed into `packed` (host): the base takes its new bytes."""
+    def take(self, bucket: Bucket, sources: dict[str, torch.Tensor], packed: torch.Tensor | None = None) -> None:
+        """After a whole bucket went (packed into `packed`, host memory, or None: written from the
+        sources as they lie): the base takes its new bytes."""
         for p in bucket.pieces:
             base, mirror = self._pair(p.name, sources[p.name])
+            new = as_bytes(sources[p.name])[p.offset:p.offset + p.length]
             if base.data_ptr() != mirror.data_ptr():
-                base[p.offset:p.offset + p.length].copy_(as_bytes(sources[p.name])[p.offset:p.offset + p.length])
-            mirror[p.offset:p.offset + p.length].copy_(packed[p.bucket_offset:p.bucket_offset + p.length])
+                base[p.offset:p.offset + p.length].copy_(new)
+            mirror[p.offset:p.offset + p.length].copy_(
+                new if packed is None else packed[p.bucket_offset:p.bucket_offset + p.length])
 
     def pack(self, bucket: Bucket, sources: dict[str, torch.Tensor], wire: torch.Tensor) -> tuple[int, str] | None:
         """Encode what changed in the bucket since the base into `wire` and move the base on to the new

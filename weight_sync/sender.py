@@ -191,10 +191,9 @@ class WeightSync:
             base on to the new weights as it goes."""
             passes = self._passes(staging, stats)
             for i, (peers, delta) in enumerate(passes):
-                keep = self.base is not None and i == len(passes) - 1
-                packer = self._packer(delta, keep, ref, stats)
-                self.stream(peers, self.plan(specs, stats), self._sources(tensors, specs), ref, stats, packer,
-                            direct=True)
+                keep = self.base.take if self.base is not None and i == len(passes) - 1 else None
+                self.stream(peers, self.plan(specs, stats), self._sources(tensors, specs), ref, stats,
+                            self._delta_packer(stats) if delta else None, direct=True, keep=keep)
             staged.append(ref.update_id)
 
         def digest_as(specs: list[TensorSpec]) -> str:
@@ -227,26 +226,20 @@ class WeightSync:
             stats.modes[p.name] = "delta" if p in delta else "full"
         return [(peers, peers is delta) for peers in (full, delta) if peers]
 
-    def _packer(self, delta: bool, keep: bool, ref: UpdateRef, stats: PushStats):
-        """How each bucket of a pass goes into its local slot: (bucket, sources, slot) -> (bytes, digest,
-        apply fields). Whole, or a delta where it pays; `keep`: the base follows the new weights.
-        None without delta sync: whole, the stream's way."""
+    def _delta_packer(self, stats: PushStats):
+        """How a delta pass puts each bucket into its local slot: (bucket, sources, slot) -> (bytes,
+        digest, apply fields), a delta where it pays, else whole; the base follows either way."""
         base = self.base
-        if base is None:
-            return None
-        if delta:
-            base.changed = base.elements = 0
+        base.changed = base.elements = 0
 
         def packer(bucket: Bucket, sources: Mapping[str, torch.Tensor], slot: torch.Tensor):
-            got = base.pack(bucket, sources, slot) if delta else None
-            if delta:
-                stats.changed_fraction = base.changed / max(1, base.elements)
+            got = base.pack(bucket, sources, slot)
+            stats.changed_fraction = base.changed / max(1, base.elements)
             if got is not None:
                 stats.delta_buckets += 1
                 return got[0], got[1], dict(encoding=Encoding.DELTA, base_update=base.update_id, wire_bytes=got[0])
             dig = pack(bucket, sources, slot)
-            if keep:
-                base.take(bucket, sources, slot)
+            base.take(bucket, sources, slot)
             return bucket.nbytes, dig, None
         return packer
 
@@ -421,13 +414,14 @@ class WeightSync:
         return of
 
     def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
-               ref: UpdateRef, stats: PushStats, packer=None, direct: bool = False) -> None:
+               ref: UpdateRef, stats: PushStats, packer=None, direct: bool = False, keep=None) -> None:
         """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
         `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
         accelerator), asked for in plan order just before it is packed (a sharded model gathers
         them then). `packer(bucket, sources, slot)`: how a bucket goes into its local slot, (bytes,
         digest, apply fields); whole by default. `direct`: whole buckets of host tensors are written
-        from where they lie (the tensors stay referenced until the stream ends)."""
+        from where they lie (the tensors stay referenced until the stream ends). `keep(bucket, sources,
+        packed slot or None)`: after each whole bucket (a delta sender's base takes it)."""
         self._release_sources()
         parents = tree_parents(len(peers), self.topology, self.fan_out, buckets=len(plan))
         # Bucket k's local slot is free once the whole tree has verified k (a hop whose copy fails
@@ -447,9 +441,13 @@ class WeightSync:
                             f.result()       # an update that cannot go on stops here
                     t_pack = time.perf_counter()
                     srcs, slot = sources(bucket), self._local[k % ring]
-                    nbytes, dig, extra = (self._direct_or(bucket, srcs, k, slot) if direct and packer is None else
-                                          packer(bucket, srcs, slot) if packer else
-                                          (bucket.nbytes, pack(bucket, srcs, slot), None))
+                    if packer is not None:
+                        nbytes, dig, extra = packer(bucket, srcs, slot)
+                    else:
+                        nbytes, dig, extra = self._direct_or(bucket, srcs, k, slot) if direct else \
+                            (bucket.nbytes, pack(bucket, srcs, slot), None)
+                        if keep is not None:
+                            keep(bucket, srcs, None if k in self._direct else slot)
                     stats.pack_s += time.perf_counter() - t_pack
                     stats.wire_bytes += nbytes
                     moving.append(pool.submit(fan.bucket, k, nbytes, dig, extra))
