@@ -694,3 +694,37 @@ def test_a_tree_chooses_its_fan_out_from_the_fleet_and_the_buckets():
     assert tree_parents(4, "tree", 2, buckets=13) == [TRAINER, 0, 0, 1]
     with pytest.raises(ValueError, match="fan_out=-1"):
         tree_parents(4, "tree", -1)
+
+
+def test_a_push_after_a_failed_write_still_writes_in_place(fresh_server, new_model, hf_model):
+    """A write that fails leaves its sources registered (a timed-out write may still read them);
+    the next push writes the same tensors again without registering them twice (the bug: Mooncake
+    refused the second registration and the job died at its next push after a link cut)."""
+    from weight_sync.sender import WeightSync
+    from weight_sync.transports import MooncakeTransport, TransportError
+    a, b = fresh_server(), fresh_server()
+
+    class FailsOnce(MooncakeTransport):
+        failed = False
+
+        def write(self, peer, ops, timeout_s):
+            if not FailsOnce.failed and peer == self.victim:
+                FailsOnce.failed = True
+                raise TransportError(f"write to {peer} timed out (test)")
+            return super().write(peer, ops, timeout_s)
+
+    transport = FailsOnce()
+    sync = WeightSync([a.url, b.url], transport=transport, bucket_bytes=BUCKET, min_fraction=0.5)
+    try:
+        transport.victim = httpx.post(f"{b.url}/weight_sync/open", json={   # b's transport session
+            "version": 99, "update_id": "probe", "bucket_bytes": BUCKET, "num_slots": 1, "sender": "t"}).json()["session"]
+        httpx.post(f"{b.url}/weight_sync/abort", json={"version": 99, "update_id": "probe"})
+        first = sync.push(new_model, version=1)
+        assert b.url in first.dropped and version(a.url) == 1
+        sync.push(hf_model, version=2)
+        third = sync.push(new_model, version=3)           # new_model's tensors: still registered since the failure
+        assert third.serving == {a.url: 3, b.url: 3}
+    finally:
+        sync.close()
+    assert live_digest(a.url) == live_digest(b.url)
+    assert greedy(b.url)["output_ids"] == reference(new_model)

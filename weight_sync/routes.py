@@ -88,8 +88,9 @@ def _serving_routes(app: FastAPI, receiver: Receiver, api_key: str | None) -> No
             raise ValueError("this server has no weights yet to push")
 
         def push():
+            # zero_copy off: the receiver's transport registers only staging slots, never the live weights
             sync = WeightSync([req.receiver_url], transport=receiver.transport, bucket_bytes=req.bucket_bytes,
-                              timeout_s=req.timeout_s, api_key=api_key)
+                              timeout_s=req.timeout_s, api_key=api_key, zero_copy=False)
             try:
                 return sync.push(engine.parameters(), engine.version)
             finally:

@@ -124,7 +124,8 @@ class WeightSync:
     def __init__(self, receivers: Iterable, transport: Transport | None = None, bucket_bytes: int = 256 << 20,
                  num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
                  api_key: str | None = None, topology: str = "star", fan_out: int = AUTO,
-                 host: str | None = None, protocol: str = "auto", device_name: str = "", delta: bool = False):
+                 host: str | None = None, protocol: str = "auto", device_name: str = "", delta: bool = False,
+                 zero_copy: bool = True):
         """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
         stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out; AUTO: chosen per push).
         Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
@@ -132,7 +133,9 @@ class WeightSync:
         (`auto`: this machine's platform's, see platforms.Platform.mooncake). `delta`: after a push,
         keep its weights (the receivers' dtype, one copy where the trainer's lie) and send each later
         push as the bytes that changed to every receiver that still serves exactly that push (the
-        others, and any bucket whose delta would not pay, go whole; delta.py)."""
+        others, and any bucket whose delta would not pay, go whole; delta.py). `zero_copy`: host tensors
+        are registered with the transport and written from where they lie (off: copied into local
+        slots first, for a transport that must register nothing but buffers of its own)."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0.0 <= min_fraction <= 1.0:
@@ -155,9 +158,9 @@ class WeightSync:
         self._local: list[torch.Tensor] = []
         self._direct: dict[int, list[tuple[int, int, int]]] = {}   # bucket -> (address, offset in it, length)
         self._written_from: dict[int, torch.Tensor] = {}   # the last stream's tensors, registered as write sources
-        self._retired: list[torch.Tensor] = []        # sources a timed-out write may still read: kept to the end
+        self._retired: dict[int, torch.Tensor] = {}   # sources a timed-out write may still read: kept to the end
         self._write_failed = False
-        self.zero_copy = True                         # host tensors go out as they lie (see _direct_or)
+        self.zero_copy = zero_copy                    # host tensors go out as they lie (see _direct_or)
         self._ref: UpdateRef | None = None           # the update being pushed (or last pushed)
         self._peers: list[_Peer] = []
         self._drop_lock = threading.Lock()
@@ -470,10 +473,8 @@ class WeightSync:
         needs (a 1 GB push on 2 cores: 0.82 -> 0.9x raw Mooncake). Tensors on an accelerator, or
         sharing memory with another source, are packed into `slot`."""
         for t in {id(t): t for t in sources.values() if t.data_ptr() not in self._written_from}.values():
-            if not self.zero_copy or t.device.type != "cpu" or self._overlaps(t):
+            if not self._registered(t):
                 return bucket.nbytes, pack(bucket, sources, slot), None
-            self.transport.register(t)
-            self._written_from[t.data_ptr()] = t
         h, ops = xxhash.xxh3_128(), []
         for p in bucket.pieces:
             src = sources[p.name]
@@ -482,9 +483,23 @@ class WeightSync:
         self._direct[k] = ops
         return bucket.nbytes, h.hexdigest(), None
 
-    def _overlaps(self, t: torch.Tensor) -> bool:
+    def _registered(self, t: torch.Tensor) -> bool:
+        """`t` registered as a write source for this stream; False where it cannot be (off, not host
+        memory, overlapping another registration, refused by the transport): then it is packed."""
+        retired = self._retired.get(t.data_ptr())
+        if retired is not None and retired.nbytes >= t.nbytes:   # still registered since a failed write
+            return True
         start, end = t.data_ptr(), t.data_ptr() + t.nbytes
-        return any(a < end and start < a + s.nbytes for a, s in self._written_from.items())
+        if not self.zero_copy or t.device.type != "cpu" or any(
+                a < end and start < a + s.nbytes for a, s in (*self._written_from.items(), *self._retired.items())):
+            return False
+        try:
+            self.transport.register(t)
+        except TransportError as e:
+            log.info("packing instead of writing in place: %s", e)
+            return False
+        self._written_from[t.data_ptr()] = t
+        return True
 
     def _release_sources(self) -> None:
         """Before a stream: the last one's sources are no write's any more, unless a write of it
@@ -493,7 +508,7 @@ class WeightSync:
         self._direct.clear()
         for addr, t in self._written_from.items():
             if self._write_failed:
-                self._retired.append(t)
+                self._retired[addr] = t
             else:
                 self.transport.unregister(addr)
         self._written_from, self._write_failed = {}, False
