@@ -52,6 +52,8 @@ class RolloutConfig:
     max_token_age: int = -1             # stale_policy keep: mask tokens more than this many versions old (-1: none)
     on_policy_warmup: int = 0           # versions before this one generate on-policy (bound 0, as sync mode):
                                         # the first updates, the largest, train on fresh samples
+    on_policy_warmup_kl: float = 0.0    # and on from the start while the trainer's last update moved the policy
+                                        # more than this KL a token (measured on the batch it trained; 0: off)
     update_policy: UpdatePolicy = UpdatePolicy.abort_furthest
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
                                         # done, when the next two batches are ready (else none)
@@ -97,6 +99,8 @@ class RolloutConfig:
             (self.oversample >= 1.0, f"rollout.oversample={self.oversample}: must be >= 1.0 (1.0 = no oversampling)"),
             (self.max_staleness >= 0, f"rollout.max_staleness={self.max_staleness}: must be >= 0"),
             (self.on_policy_warmup >= 0, f"rollout.on_policy_warmup={self.on_policy_warmup}: must be >= 0"),
+            (self.on_policy_warmup_kl >= 0,
+             f"rollout.on_policy_warmup_kl={self.on_policy_warmup_kl}: must be >= 0 (0: off)"),
             (self.max_token_age >= -1, f"rollout.max_token_age={self.max_token_age}: must be >= 0, or -1 (no limit)"),
             (self.filter_patience >= 0, f"rollout.filter_patience={self.filter_patience}: must be >= 0"),
             (0.0 <= self.abort_fraction <= 1.0, f"rollout.abort_fraction={self.abort_fraction}: must be in [0, 1]"),

@@ -285,11 +285,14 @@ class RolloutManager:
                                                                                            self.trainer_version)
         return ready, risky
 
-    async def on_weights_updated(self, version: int, wait: bool = False) -> None:
+    async def on_weights_updated(self, version: int, wait: bool = False, on_policy: bool = False) -> None:
         """The trainer published `version`: apply the in-flight policy; aborted samples resume on it.
         The aborts go out in the background unless `wait`: the trainer need not wait for them.
         Requests of groups already past the bound stop now, whatever the policy: every further
-        token of theirs would be thrown away."""
+        token of theirs would be thrown away. `on_policy`: the next batch is generated on `version`
+        alone (bound 0 at it: rollout.on_policy_warmup_kl's warm-up)."""
+        if on_policy:
+            self.staleness.hold_on_policy(version)
         self.trainer_version = version
         doomed = self.staleness.doomed(((rid, r.sample.group_id, r.version) for rid, r in self.inflight.items()),
                                        self.running, version)

@@ -89,8 +89,8 @@ class RolloutService:
     async def batch_ready(self) -> bool:
         return self.manager.batch_ready()
 
-    async def on_weights_updated(self, version: int) -> None:
-        await self.manager.on_weights_updated(version)
+    async def on_weights_updated(self, version: int, on_policy: bool = False) -> None:
+        await self.manager.on_weights_updated(version, on_policy=on_policy)
 
     async def add_server(self, url: str) -> None:
         self.manager.router.add(self._client(url))

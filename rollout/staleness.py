@@ -47,6 +47,11 @@ class Staleness:
         """The bound in force at `trainer_version`: 0 during the on-policy warm-up, then max_staleness."""
         return 0 if trainer_version < self.warmup else self.max_staleness
 
+    def hold_on_policy(self, trainer_version: int) -> None:
+        """Keep the bound at 0 at `trainer_version` too (the adaptive warm-up: the trainer's last
+        update was large)."""
+        self.warmup = max(self.warmup, trainer_version + 1)
+
     @property
     def keep(self) -> bool:
         return self.policy is StalePolicy.keep

@@ -122,6 +122,26 @@ def test_on_policy_warmup_generates_only_the_batch_in_hand_until_its_last_versio
     assert after > 2                                 # then oversampling: more than one batch in progress
 
 
+def test_a_version_published_on_policy_holds_the_manager_to_the_batch_in_hand(servers, tokenizer):
+    """rollout.on_policy_warmup_kl's lever: the trainer publishes version 1 with on_policy=True
+    (its last update was large), so nothing starts ahead while version 1 generates; version 2 is
+    published without it and the manager runs ahead again."""
+    async def main():
+        m = manager([servers()[0].url], tokenizer, batch_size=2, oversample=3.0, max_staleness=4,
+                    on_policy_warmup=1)
+        await m.start()
+        seen = []
+        for version, on_policy in ((1, True), (2, False)):
+            await m.next_batch()
+            await m.on_weights_updated(version, on_policy=on_policy)
+            await asyncio.sleep(1.0)                  # time to start groups ahead, if it would
+            seen.append(len(m.running) + len(m.ready) - 2)       # beyond the next batch
+        await m.stop()
+        return seen
+    held, after = run(main())
+    assert held <= 0 and after > 0
+
+
 def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokenizer, tiny_model_v2):
     from transformers import AutoModelForCausalLM
 

@@ -121,6 +121,104 @@ def test_ppo_epochs_make_the_clip_act(tiny_model):
         assert abs(m["ratio_mean"] - 1) > 1e-4
 
 
+def ragged_batch(seed: int, rows: int = 12, seq: int = 20):
+    """Right-padded rows of 6..20 tokens (prompt 4, the rest response), random advantages."""
+    import torch
+
+    from trainer_bridge.batch import TrainBatch
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, seq + 1, (rows,), generator=g)
+    inside = torch.arange(seq).unsqueeze(0) < lengths.unsqueeze(1)
+    ids = torch.randint(3, 50, (rows, seq), generator=g) * inside
+    loss_mask = (inside & (torch.arange(seq) >= 4)).float()
+    return TrainBatch(input_ids=ids, attention_mask=inside.long(), loss_mask=loss_mask,
+                      behaviour_logprobs=torch.full((rows, seq), -3.0) * loss_mask, versions=torch.zeros_like(ids),
+                      rewards=torch.zeros(rows), group_index=torch.arange(rows) // 4, samples=[None] * rows,
+                      advantages=torch.randn(rows, generator=g))
+
+
+def trained_weights(model, steps: int = 1, **cfg):
+    import torch
+
+    from trainer_bridge.config import TrainerConfig
+    from trainer_bridge.training.trainer import GRPOTrainer
+    trainer = GRPOTrainer(model, TrainerConfig(lr=0.02, **cfg))
+    metrics = [trainer.train_step(ragged_batch(s)) for s in range(steps)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics[-1], trainer
+
+
+def test_packed_sequences_train_exactly_as_padded_rows(tiny_model):
+    """trainer.pack_length packs a micro-batch's sequences end to end (several to a row): the
+    update, the loss and the logged entropy are the padded rows' (to float rounding; one step, as
+    Adam's first step turns rounding in a near-zero gradient into a full-size update)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    runs = {}
+    for pack_length in (0, 32):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+        runs[pack_length] = trained_weights(model, pack_length=pack_length, entropy_coef=0.01)
+    (padded, m0, _), (packed, m1, trainer) = runs[0], runs[32]
+    assert trainer._packing is True                  # the packed pass was checked and kept
+    for name in padded:      # lr 0.02: a step moves a weight by up to ~0.02; rounding moves it by 1e-5
+        assert torch.allclose(padded[name], packed[name], atol=2e-4), name
+    for key in ("loss", "entropy", "ratio_mean", "grad_norm"):
+        assert abs(m0[key] - m1[key]) < 1e-4 * max(1.0, abs(m0[key])), (key, m0[key], m1[key])
+
+
+def test_a_model_that_attends_across_packed_sequences_trains_on_padded_rows(tiny_model, caplog):
+    """A model that ignores position ids would attend from one packed sequence into the one
+    before it: the first packed pass is checked against the padded rows, found off, and the
+    trainer says so and pads from then on, so the update is still the padded one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    class IgnoresPositions(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask)
+
+    torch.manual_seed(0)
+    padded, _, _ = trained_weights(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                   pack_length=0)
+    torch.manual_seed(0)
+    wrapped = IgnoresPositions(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
+    with caplog.at_level("WARNING", logger="riptide.trainer"):
+        weights, _, trainer = trained_weights(wrapped, pack_length=32)
+    assert trainer._packing is False
+    assert "attends across sequences" in caplog.text and "pack_length=0" in caplog.text
+    for name, value in padded.items():
+        assert torch.allclose(value, weights[f"inner.{name}"], atol=2e-4), name
+
+
+def test_update_kl_is_the_behaviour_kl_the_next_stale_step_would_see(tiny_model):
+    """update_kl (rollout.on_policy_warmup_kl's measure): how far a step moved the policy on the
+    batch it trained. Trained again on that batch as if it were one version stale (its behaviour
+    logprobs those of the weights before the step), the trainer logs that same KL."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.config import TrainerConfig
+    from trainer_bridge.training.trainer import GRPOTrainer
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), TrainerConfig(lr=0.02))
+    batch = ragged_batch(0)
+    with pytest.raises(RuntimeError, match="keep_logprobs"):
+        trainer.update_kl(batch)
+    before = trainer._logprobs(batch)
+    trainer.train_step(batch, keep_logprobs=True)
+    moved = trainer.update_kl(batch)
+    stale = dataclasses.replace(batch, behaviour_logprobs=torch.nn.functional.pad(before, (1, 0)) * batch.loss_mask)
+    assert moved > 1e-4
+    assert abs(trainer.train_step(stale)["logprob_kl_k3"] - moved) < 1e-5 * max(1.0, moved)
+
+
 def test_overlong_penalty_is_dapos_soft_punishment():
     import torch
 
@@ -156,7 +254,10 @@ def short_run(tmp_path_factory):
     def get(world: int):
         if world not in runs:
             tmp = tmp_path_factory.mktemp(f"short_w{world}")
-            proc = train(tmp, *SHORT, f"trainer.world_size={world}")
+            # on 2 ranks, rollout.on_policy_warmup_kl's measure too (a collective forward on every
+            # rank after the push); its limit ends the warm-up at the first measure
+            extra = ["rollout.on_policy_warmup_kl=10"] if world > 1 else []
+            proc = train(tmp, *SHORT, f"trainer.world_size={world}", *extra)
             assert proc.returncode == 0, proc.stderr[-3000:]
             lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
             runs[world] = lines, last_json(proc.stdout), tmp
@@ -202,6 +303,9 @@ def test_two_trainer_ranks_learn_about_as_well_per_step_as_one(short_run):
     assert late[1] > late[0] - 0.25, late             # 2.5 stds of the difference of two runs' means
     assert all(r["staleness_max"] <= 1 for r in two)
     assert two[-1]["sync/egress_bytes/rank0"] > 0 and two[-1]["sync/egress_bytes/rank1"] > 0    # each its own shard
+    # the KL warm-up: version 1 generated on-policy after a measured step 0, then none
+    assert two[0]["rollout/on_policy"] == 1 and 0 <= two[0]["train/update_kl"] < 10
+    assert all(r["rollout/on_policy"] == 0 and "train/update_kl" not in r for r in two[1:])
     log = (tmp_path / "run" / "logs" / "trainer_rank1.log")
     assert log.exists()                                 # rank 1 ran as its own process, and is gone
     assert not [pid for pid in pids_running("trainer_bridge.training.ranks") if str(tmp_path) in cmdline(pid)]

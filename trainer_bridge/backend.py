@@ -203,10 +203,11 @@ class RolloutBackend:
         return run_coroutine(generate_on(list(self.servers), prompts, params, self.cfg.server.api_key or None,
                                          self.version))
 
-    def push_weights(self, model, version: int):
+    def push_weights(self, model, version: int, on_policy: bool = False):
         """Stream `model`'s weights into every server as `version` (two-phase: every server that
         stays in the push flips, or none), evict the servers it lost, then let the manager apply
-        its in-flight policy. Returns the push's PushStats. A model sharded with FSDP2
+        its in-flight policy (`on_policy`: the next batch is generated on `version` alone, as in
+        sync mode). Returns the push's PushStats. A model sharded with FSDP2
         (`fully_shard`) is pushed from rank 0, which holds the backend, while every other rank calls
         `weight_sync.sharded.push_sharded(model, version)`: each rank writes the shard it holds,
         and no rank gathers the model."""
@@ -217,7 +218,7 @@ class RolloutBackend:
         for url in list(stats.dropped) + [u for u in stats.pending if self._dead(u)]:
             if url in self.servers:
                 self._evict(url, replace=self.cfg.cluster.replace_evicted)
-        self.rollout.call("on_weights_updated", version)
+        self.rollout.call("on_weights_updated", version, on_policy)
         self._admit()
         return stats
 

@@ -219,6 +219,8 @@ class TrainerConfig:
     betas: list = f([0.9, 0.99], "AdamW betas")
     grad_clip: float = f(1.0, "clip the global gradient norm to this (0: off)")
     micro_batch_size: int = f(64, "sequences per forward/backward; gradients accumulate over the batch")
+    pack_length: int = f(64, "pack a micro-batch's sequences end to end in rows of up to this many tokens (or the "
+                              "longest sequence), so no compute goes to padding (0: one right-padded row each)")
     clip_low: float = f(0.2, "PPO clip below 1")
     clip_high: float = f(0.28, "PPO clip above 1 (DAPO clip-higher)")
     loss_agg: str = f("token-mean", "token-mean | seq-mean-token-mean")
@@ -256,6 +258,7 @@ class TrainerConfig:
                   (self.lr_warmup_steps >= 0, f"trainer.lr_warmup_steps={self.lr_warmup_steps}: must be >= 0"),
                   (0.0 <= self.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]"),
                   (self.micro_batch_size >= 1, f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1"),
+                  (self.pack_length >= 0, f"trainer.pack_length={self.pack_length}: must be >= 0 (0: off)"),
                   (self.loss_agg in ("token-mean", "seq-mean-token-mean"),
                    f"trainer.loss_agg={self.loss_agg!r}: use token-mean or seq-mean-token-mean"),
                   (self.dtype in ("float32", "bfloat16"), f"trainer.dtype={self.dtype!r}: use float32 or bfloat16"),

@@ -183,7 +183,7 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
         return path
 
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
-    watch = Watch(monitor)
+    watch, warm = Watch(monitor), KlWarmup(job, monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
     try:
         backend.start(model, version=first_step)
@@ -194,12 +194,15 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
             t0 = time.perf_counter()
             batch = backend.next_batch()
             t1 = time.perf_counter()
-            lead.train(step, batch)
-            train = trainer.train_step(batch)
+            measure = warm.holding
+            lead.train(step, batch, measure)
+            train = trainer.train_step(batch, keep_logprobs=measure)
             t2 = time.perf_counter()
-            sync = backend.push_weights(model, version=step + 1)
+            sync = backend.push_weights(model, version=step + 1, on_policy=measure)
             t3 = time.perf_counter()
-            metrics = step_metrics(batch, train, sync, {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
+            warm.after_push(measure, step, trainer, batch, train)
+            metrics = {**step_metrics(batch, train, sync, {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2}),
+                       "rollout/on_policy": float(measure)}
             metrics.update(watch.check(step, batch, job.rollout.max_new_tokens))
             monitor.log(step, metrics, batch.samples)
             rewards.append(metrics["reward/mean"])
@@ -226,6 +229,29 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
         finally:
             closed()
     return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
+
+
+class KlWarmup:
+    """rollout.on_policy_warmup_kl: the versions are generated on-policy (each push tells the manager
+    so) while the trainer's last update moved the policy more than the limit, a KL a token measured
+    on the batch it trained (GRPOTrainer.update_kl). The measure is a forward pass after the push,
+    while the servers generate the next batch the trainer waits for; the warm-up ends for good at
+    the first update under the limit."""
+
+    def __init__(self, job: JobConfig, monitor: Monitor):
+        self.limit = job.rollout.on_policy_warmup_kl if job.mode == "async" else 0.0
+        self.holding = self.limit > 0
+        self.ahead, self.monitor = job.rollout.max_staleness, monitor
+
+    def after_push(self, measure: bool, step: int, trainer: GRPOTrainer, batch: TrainBatch, train: dict) -> None:
+        if not measure:
+            return
+        train["update_kl"] = kl = trainer.update_kl(batch)
+        if kl <= self.limit:
+            self.holding = False
+            self.monitor.note(f"on-policy warm-up ends: step {step}'s update moved the policy {kl:.4g} a token "
+                              f"(rollout.on_policy_warmup_kl={self.limit:g}); from version {step + 2} rollout "
+                              f"runs up to {self.ahead} ahead")
 
 
 def partial_rollout_note(job: JobConfig, last: dict) -> str | None:

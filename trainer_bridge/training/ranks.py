@@ -43,7 +43,7 @@ from weight_sync.sharded import announce, listen
 log = logging.getLogger(__name__)
 class Order(str, enum.Enum):
     """What rank 0's Lead tells the other ranks before each collective step: (Order, ...)."""
-    TRAIN = "train"        # (step, the batch's fields)
+    TRAIN = "train"        # (step, the batch's fields, measure: update_kl after the push)
     SAVE = "save"          # (step, checkpoint directory)
     STOP = "stop"
 FIELDS = tuple(f.name for f in dataclasses.fields(TrainBatch) if f.name not in ("samples", "metrics"))   # the tensors
@@ -55,8 +55,8 @@ class Lead:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
 
-    def train(self, step: int, batch: TrainBatch) -> None:
-        self._tell((Order.TRAIN, step, {name: getattr(batch, name) for name in FIELDS}))
+    def train(self, step: int, batch: TrainBatch, measure: bool = False) -> None:
+        self._tell((Order.TRAIN, step, {name: getattr(batch, name) for name in FIELDS}, measure))
 
     def save(self, step: int, directory: Path) -> None:
         self._tell((Order.SAVE, step, str(directory)))
@@ -88,10 +88,13 @@ def follow(model, trainer, first_step: int) -> None:
     while True:
         message = listen()
         if message[0] is Order.TRAIN:
-            _, step, tensors = message
+            _, step, tensors, measure = message
             n = tensors["input_ids"].shape[0]
-            trainer.train_step(TrainBatch(**tensors, samples=[None] * n))
+            batch = TrainBatch(**tensors, samples=[None] * n)
+            trainer.train_step(batch, keep_logprobs=measure)
             push(step + 1)
+            if measure:
+                trainer.update_kl(batch)
         elif message[0] is Order.SAVE:
             trainer.save(Path(message[2]), message[1], None)
         else:

@@ -17,6 +17,7 @@ number of ranks can resume it) next to Hugging Face weights for serving.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -27,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from platforms import platform_of, rank_device
-from trainer_bridge.training import grpo
+from trainer_bridge.training import grpo, packing
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig
+
+log = logging.getLogger("riptide.trainer")
 
 
 def lr_at(cfg: TrainerConfig, step: int) -> float:
@@ -80,6 +83,8 @@ class GRPOTrainer:
                                            weight_decay=cfg.weight_decay,
                                            fused=True if platform_of(self.device).fused_adamw else None)
         self.step_count = 0
+        self._packing: bool | None = None     # packed forward passes: None until the first one is checked
+        self._before: torch.Tensor | None = None      # train_step(keep_logprobs): the logprobs before it
 
     def _shares(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
         """This rank's micro-batches of `rows` (rows dealt round the ranks), as many on every rank;
@@ -109,10 +114,11 @@ class GRPOTrainer:
         enabled = self.cfg.dtype == "bfloat16" and self.device.type != "cpu"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def train_step(self, batch: TrainBatch) -> dict:
+    def train_step(self, batch: TrainBatch, keep_logprobs: bool = False) -> dict:
         """One trainer step over the batch: `ppo_epochs` passes, each in mini-batches of
         `ppo_mini_batch_size` rows (one optimizer step each); returns the step's training metrics,
-        token-weighted means over every update."""
+        token-weighted means over every update. `keep_logprobs`: keep the logprobs of the weights
+        before the step, for `update_kl` (every rank, when sharded)."""
         t0 = time.perf_counter()
         self.model.train()
         n = batch.input_ids.shape[0]
@@ -121,6 +127,8 @@ class GRPOTrainer:
         # The proximal ("old") policy: the weights before this step. With one update it is the
         # current policy itself (detached), so no extra forward pass.
         proximal = self._logprobs(batch) if updates > 1 else None
+        before = proximal if proximal is not None or not keep_logprobs else \
+            torch.zeros(n, batch.input_ids.shape[1] - 1, device=self.device)
         lr = lr_at(self.cfg, self.step_count)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -137,6 +145,8 @@ class GRPOTrainer:
                 for i, (part, real) in enumerate(shares):
                     prox = proximal[part.to(proximal.device)] if proximal is not None else None
                     loss, metrics, weight = self._micro_batch(batch.rows(part), tokens, prox)
+                    if before is not proximal and epoch == 0 and real:
+                        before[part.to(self.device)] = self._micro_logprobs
                     if not real:
                         loss, weight = loss * 0.0, 0.0
                     self._sync_gradients(i == len(shares) - 1)
@@ -149,11 +159,26 @@ class GRPOTrainer:
                 norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
                 self.optimizer.step()
         sums = self._all_ranks_sum(sums)
+        if before is not None and before is not proximal and self.world > 1:
+            dist.all_reduce(before)              # each rank filled in its own rows
+        self._before = before if keep_logprobs else None
         self.step_count += 1
         seconds = time.perf_counter() - t0
         return {**sums, "grad_norm": sum(norms) / len(norms), "lr": lr, "train_seconds": seconds,
                 "optimizer_steps": updates,
                 "trainer_tokens_per_s": float(batch.attention_mask.sum()) * self.cfg.ppo_epochs / seconds}
+
+    def update_kl(self, batch: TrainBatch) -> float:
+        """How far the last train_step (called with keep_logprobs) moved the policy on `batch`, the
+        batch it trained: the mean k3 KL a response token between the weights before and after
+        (the same measure as train/logprob_kl_k3, the behaviour KL of a stale batch). One forward
+        pass without gradients, on every rank when sharded."""
+        if getattr(self, "_before", None) is None:
+            raise RuntimeError("update_kl() needs the last train_step(batch, keep_logprobs=True)")
+        after = self._logprobs(batch)
+        mask = batch.loss_mask[:, 1:].to(self.device)
+        before, self._before = self._before, None
+        return float(grpo.logprob_mismatch(after, before, mask)["kl_k3"])
 
     @torch.no_grad()
     def _logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -163,25 +188,69 @@ class GRPOTrainer:
         out = torch.zeros(n, length - 1, device=self.device)
         for part, real in self._shares(torch.arange(n)):
             mb = batch.rows(part)
-            ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
-            with self._autocast():
-                logits = self.model(input_ids=ids, attention_mask=attention).logits
+            logprobs, _ = self._token_logprobs(self.model, mb, entropy=False)
             if real:
-                out[part.to(self.device)] = grpo.sequence_logprobs(logits, ids, self.temperature).float()
+                out[part.to(self.device)] = logprobs.float()
         if self.world > 1:
             dist.all_reduce(out)
         return out
 
+    def _token_logprobs(self, model, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`model`'s logprob of each next token of the micro-batch (and its entropy), [mb, seq-1]:
+        one forward pass over the sequences packed end to end (trainer.pack_length; packing.py), or
+        over the right-padded rows (pack_length 0, or a model the first packed pass showed to attend
+        across sequences)."""
+        ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        entropy_grad = entropy and self.cfg.entropy_coef > 0
+        if self._packing is False or self.cfg.pack_length == 0:
+            with self._autocast():
+                logits = model(input_ids=ids, attention_mask=attention).logits
+            return grpo.sequence_logprobs_and_entropy(logits, ids, self.temperature, entropy, entropy_grad)
+        packed = packing.pack(ids, attention, self.cfg.pack_length)
+        with self._autocast():
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        logprobs, ent = grpo.sequence_logprobs_and_entropy(logits, packed.input_ids, self.temperature, entropy,
+                                                           entropy_grad)
+        logprobs, ent = packing.unpack(logprobs, packed), (packing.unpack(ent, packed) if entropy else None)
+        if self._packing is None and self._any_rank(packed.bins < len(ids)):     # sequences shared a row
+            self._packing = self._packing_holds(model, ids, attention, logprobs.detach(), packed)
+            if not self._packing:
+                return self._token_logprobs(model, mb, entropy)
+        return logprobs, ent
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
+        value = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def _packing_holds(self, model, ids, attention, packed_logprobs, packed: "packing.Packed") -> bool:
+        """Once, on the first micro-batch: do the packed logprobs match the padded rows'? A model (or
+        a transformers too old to read packed position ids) that attends across sequences does
+        not, and then the trainer pads from here on, saying so. Every rank runs this same extra
+        pass on its first micro-batch (FSDP2's collectives stay in step)."""
+        with torch.no_grad(), self._autocast():
+            logits = model(input_ids=ids, attention_mask=attention).logits
+        gaps = (grpo.sequence_logprobs(logits, ids, self.temperature) - packed_logprobs).abs()[packed.keep]
+        exact = self.cfg.dtype == "float32" or self.device.type == "cpu"
+        # float32: the largest gap (rounding only, ~1e-6); bfloat16 rounds more, so the mean gap
+        gap = float(gaps.max() if exact else gaps.mean()) if gaps.numel() else 0.0
+        if self._any_rank(gap > (1e-3 if exact else 2e-2)):          # every rank decides the same
+            log.warning("trainer.pack_length=%d: packed sequences gave logprobs up to %.3g off the padded rows' "
+                        "(%s attends across sequences: needs transformers >= 4.54 reading position_ids); "
+                        "training on padded rows instead (set trainer.pack_length=0 to skip this check)",
+                        self.cfg.pack_length, gap, type(model).__name__)
+            return False
+        return True
+
     def _micro_batch(self, mb: TrainBatch, batch_tokens: float, proximal: torch.Tensor | None = None):
         """Loss of one micro-batch, scaled so that gradients add up to the mini-batch's loss."""
-        ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
         mask = mb.loss_mask[:, 1:].to(self.device)                     # [mb, seq-1]: token t+1 given <= t
         behaviour = mb.behaviour_logprobs[:, 1:].to(self.device)
         advantages = mb.advantages.to(self.device)                      # [mb]
-        with self._autocast():
-            logits = self.model(input_ids=ids, attention_mask=attention).logits
-        logprobs, entropy = grpo.sequence_logprobs_and_entropy(   # [mb, seq-1] each
-            logits, ids, self.temperature, entropy_grad=self.cfg.entropy_coef > 0)
+        logprobs, entropy = self._token_logprobs(self.model, mb, entropy=True)   # [mb, seq-1] each
+        self._micro_logprobs = logprobs.detach()
         proximal = logprobs.detach() if proximal is None else proximal
         loss, metrics = grpo.policy_loss(
             logprobs, proximal, advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
@@ -193,9 +262,8 @@ class GRPOTrainer:
             loss = loss - self.cfg.entropy_coef * entropy
         metrics = {**metrics, "entropy": entropy.detach()}
         if self.reference is not None:
-            with torch.no_grad(), self._autocast():
-                ref = grpo.sequence_logprobs(self.reference(input_ids=ids, attention_mask=attention).logits, ids,
-                                             self.temperature)
+            with torch.no_grad():
+                ref, _ = self._token_logprobs(self.reference, mb, entropy=False)
             kl = grpo.aggregate(grpo.kl_k3(logprobs, ref), mask, self.cfg.loss_agg)
             loss = loss + self.cfg.kl_coef * kl
             metrics = {**metrics, "kl_ref": kl.detach()}
