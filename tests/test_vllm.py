@@ -165,3 +165,39 @@ def test_a_push_into_stock_vllm_serves_exactly_the_pushed_weights(fleet):
         assert max(abs(x - y) for x, y in zip(got[1], want[1])) < 1e-4, (got[1], want[1])
         assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "1"
         assert httpx.get(f"{side}/weight_sync/digest").json()["digest"] == live_digest(checkpoint_weights(fleet["v2"]))
+
+
+def test_a_late_sender_cannot_touch_what_vllm_serves(fleet, tmp_path):
+    """Runs after the push: a sender frozen (SIGSTOP) mid-push of version 2 wakes after a fresh
+    sender committed version 3 (checkpoint v1) on both servers; its remaining writes and calls fail
+    and both keep serving version 3, exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from inference_server.vllm_plugin import checkpoint_weights
+    from test_weight_sync import FREEZING_SENDER, stopped, wait_for
+    from weight_sync import live_digest
+    from weight_sync.sender import WeightSync
+    script = tmp_path / "sender.py"
+    script.write_text(FREEZING_SENDER.replace("version=1)", "version=int(sys.argv[4]))"))
+    zombie = subprocess.Popen([sys.executable, str(script), ",".join(fleet["weight_sync"]), str(fleet["v2"]),
+                               str(BUCKET), "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 180), "the sender never froze"
+        sync = WeightSync(fleet["weight_sync"], bucket_bytes=BUCKET)
+        try:
+            sync.push(AutoModelForCausalLM.from_pretrained(fleet["v1"], dtype=torch.float32), 3)
+        finally:
+            sync.close()
+        os.kill(zombie.pid, signal.SIGCONT)
+        out, _ = zombie.communicate(timeout=180)
+        assert zombie.returncode != 0 and b"WeightSyncError" in out, out.decode()[-3000:]
+    finally:
+        if zombie.poll() is None:
+            os.kill(zombie.pid, signal.SIGKILL)
+            os.kill(zombie.pid, signal.SIGCONT)
+            zombie.wait()
+    want = live_digest(checkpoint_weights(fleet["v1"]))
+    for url, side in zip(fleet["vllm"], fleet["weight_sync"]):
+        assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "3"
+        assert httpx.get(f"{side}/weight_sync/digest").json()["digest"] == want
+    assert greedy(fleet["vllm"][0]) == greedy(fleet["vllm"][1])
