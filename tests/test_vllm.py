@@ -201,3 +201,27 @@ def test_a_late_sender_cannot_touch_what_vllm_serves(fleet, tmp_path):
         assert httpx.get(f"{url}/weight_info").json()["weight_version"] == "3"
         assert httpx.get(f"{side}/weight_sync/digest").json()["digest"] == want
     assert greedy(fleet["vllm"][0]) == greedy(fleet["vllm"][1])
+
+
+def test_a_vllm_server_takes_the_weights_from_a_live_peer(fleet):
+    """Runs last: checkpoint v2 pushed into the first server alone (version 4), then that server
+    pushes what it serves to the second (`push_to`, a cold start's path, no trainer and no disk):
+    the second serves the same weights at the same version, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from inference_server.vllm_plugin import checkpoint_weights
+    from weight_sync import live_digest
+    from weight_sync.sender import WeightSync
+    (a, b), (side_a, side_b) = fleet["vllm"], fleet["weight_sync"]
+    sync = WeightSync([side_a], bucket_bytes=BUCKET)
+    try:
+        sync.push(AutoModelForCausalLM.from_pretrained(fleet["v2"], dtype=torch.float32), 4)
+    finally:
+        sync.close()
+    assert greedy(a) != greedy(b)
+    r = httpx.post(f"{side_a}/weight_sync/push_to", json={"receiver_url": side_b}, timeout=300)
+    assert r.status_code == 200 and r.json()["version"] == 4, r.text
+    assert httpx.get(f"{b}/weight_info").json()["weight_version"] == "4"
+    assert greedy(b) == greedy(a) == greedy(fleet["reference"])
+    want = live_digest(checkpoint_weights(fleet["v2"]))
+    assert [httpx.get(f"{s}/weight_sync/digest").json()["digest"] for s in (side_a, side_b)] == [want, want]
