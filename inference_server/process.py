@@ -140,3 +140,51 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+VLLM_BACKEND = '{"backend": "riptide"}'
+
+
+class VllmProcess(ServerProcess):
+    """A stock vLLM OpenAI server (`vllm serve`) that speaks Riptide's server protocol on its own URL:
+    the riptide weight-transfer backend and middleware (inference_server/vllm_plugin.py), vLLM's RL
+    endpoints (VLLM_SERVER_DEV_MODE=1) and its token-in/token-out API (--enable-scale-out). `python`
+    is an interpreter with vLLM and this package installed; `version` labels the checkpoint it loads.
+    On CPU it runs as vLLM's CPU guide sets it up (Intel's OpenMP preloaded when present, threads
+    bound by vLLM unless `env` says otherwise)."""
+
+    def __init__(self, model_path: str | Path, python: str | Path | None = None, version: int = 0,
+                 max_num_seqs: int = 64, max_model_len: int = 1024, dtype: str = "auto", seed: int = 0,
+                 kv_space_gb: int = 1, **kw):
+        super().__init__(model_path, **kw)
+        self.python = str(python or sys.executable)
+        self.flags = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
+                      "--dtype", dtype, "--seed", str(seed)]
+        api_key = self.env.pop(API_KEY_ENV, None)
+        self.env = {"VLLM_SERVER_DEV_MODE": "1", "RIPTIDE_WEIGHT_VERSION": str(version),
+                    "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                    "HF_HUB_OFFLINE": "1", **({"VLLM_API_KEY": api_key} if api_key else {}), **self.env}
+
+    def spawn(self) -> "VllmProcess":
+        cmd = [self.python, "-m", "inference_server.vllm_serve", "--parent-pid", str(os.getpid()),
+               "--model", self.model_path, "--host", self.host, "--port", str(self.port),
+               "--weight-transfer-config", VLLM_BACKEND, "--middleware", "inference_server.vllm_plugin.riptide_routes",
+               "--enable-scale-out", "--disable-log-stats", *self.flags, *self.args]
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
+        iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"
+        if iomp.exists():
+            env["LD_PRELOAD"] = str(iomp)
+        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**env, **self.env},
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:
+        """Until /health answers and the weight-sync endpoints are up (the first call starts them)."""
+        super().wait_ready(timeout)
+        headers = {"Authorization": f"Bearer {self.env['VLLM_API_KEY']}"} if "VLLM_API_KEY" in self.env else {}
+        r = httpx.get(f"{self.url}/weight_sync/status", headers=headers, timeout=max(1.0, timeout))
+        if r.status_code != 200:
+            self.stop()
+            raise RuntimeError(f"vLLM on port {self.port}: its riptide weight-sync endpoints answered "
+                               f"{r.status_code}: {r.text[:300]}" + (f"; see {self.log_path}" if self.log_path else ""))

@@ -1,5 +1,6 @@
 """An async client for one inference server, speaking only SGLang's native API (plus Riptide's
-optional `output_token_versions`), so it drives a real SGLang server unchanged.
+optional `output_token_versions`), so it drives a real SGLang server unchanged; `VllmClient` speaks
+vLLM's token-in/token-out API to a stock vLLM server (`client_for` picks by `server.engine`).
 
 Every call has a timeout. Only errors where the request never reached the server (connection
 refused, DNS) are retried here, on the same server; a 4xx is raised as RequestRefused (the request
@@ -165,3 +166,71 @@ class ServerClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+ENGINES = ("riptide", "vllm")
+
+
+class VllmClient(ServerClient):
+    """A stock vLLM server started with Riptide's middleware and `--enable-scale-out`
+    (inference_server/vllm_plugin.py): token ids in, per-token logprobs out, through
+    `/inference/v1/generate`; each token's version from vLLM's `weight_versions` spans (exact: vLLM
+    labels each step's tokens with the version it ran on); aborts through `/abort_requests`, which
+    end a request with its partial tokens (finish "abort"), as Riptide's server does. Health and
+    progress are the middleware's (`/health_generate`), weight versions `/get_weight_version`."""
+
+    PARAMS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+              "stop": "stop", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "seed": "seed",
+              "min_p": "min_p", "min_new_tokens": "min_tokens", "repetition_penalty": "repetition_penalty",
+              "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty"}
+
+    @classmethod
+    def sampling(cls, params: dict) -> dict:
+        """SGLang's sampling parameters (the rollout config's) as vLLM's; a key vLLM lacks is named."""
+        unknown = sorted(set(params) - set(cls.PARAMS))
+        if unknown:
+            raise ValueError(f"sampling parameters {unknown} have no vLLM equivalent (known: {sorted(cls.PARAMS)})")
+        out = {cls.PARAMS[k]: v for k, v in params.items() if v is not None}
+        if out.get("top_k", 0) < 0:             # SGLang's -1 (all tokens) is vLLM's 0
+            out["top_k"] = 0
+        return {**out, "logprobs": 0, "detokenize": bool(out.get("stop"))}
+
+    def _rid(self, rid: str) -> str:
+        return f"generate-tokens-{rid}"          # vLLM's name for a request sent to /inference/v1/generate
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
+                       fallback_version: int = -1) -> Generation:
+        try:
+            params = self.sampling(sampling_params)
+        except ValueError as e:
+            raise RequestRefused(self.url, str(e), "sampling_params") from None
+        out = await self._post("/inference/v1/generate", {"request_id": rid, "token_ids": input_ids,
+                                                          "sampling_params": params, "output_mode": "tokens"})
+        choice = out["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        lps = [c["logprob"] for c in ((choice.get("logprobs") or {}).get("content") or [])]
+        versions = [fallback_version] * len(ids)
+        for span in choice.get("weight_versions") or []:
+            try:
+                v = int(span["version"])
+            except (TypeError, ValueError):
+                continue
+            versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
+        reason = choice.get("finish_reason") or "stop"
+        finish = Finish(reason) if reason in Finish._value2member_map_ else Finish.STOP
+        return Generation(ids, lps, versions, finish, "")
+
+    async def abort(self, rids: list[str]) -> None:
+        if rids:
+            await self._post("/abort_requests", {"request_ids": [self._rid(r) for r in rids]}, timeout=10)
+
+    async def progress(self, timeout_s: float) -> tuple[float, float] | None:
+        self._no_progress_route = True            # vLLM counts no steps we can read: probe the engine
+        return await super().progress(timeout_s)
+
+
+def client_for(engine: str, url: str, **kw) -> ServerClient:
+    """The client of a server run by `engine` (server.engine: riptide, or vllm)."""
+    if engine not in ENGINES:
+        raise ValueError(f"server.engine={engine!r}: use one of {ENGINES}")
+    return (VllmClient if engine == "vllm" else ServerClient)(url, **kw)

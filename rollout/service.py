@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.agent import RolloutFn, single_turn
-from rollout.client import ServerClient
+from rollout.client import ServerClient, client_for
 from rollout.config import RolloutConfig
 from rollout.data import PromptSource
 from rollout.filters import get_filter
@@ -47,6 +47,7 @@ class RolloutSpec:
     state: dict | None = None            # a manager state_dict to resume from
     trainer_version: int = 0
     log_level: int = logging.WARNING
+    engine: str = "riptide"              # the servers' (server.engine): which client speaks to them
 
 
 def load_tokenizer(path: str):
@@ -75,7 +76,8 @@ class RolloutService:
 
     def _client(self, url: str) -> ServerClient:
         cfg = self.spec.cfg
-        return ServerClient(url, cfg.request_timeout_s, self.spec.api_key, max_connections=cfg.max_inflight)
+        return client_for(self.spec.engine, url, timeout_s=cfg.request_timeout_s, api_key=self.spec.api_key,
+                          max_connections=cfg.max_inflight)
 
     async def ping(self) -> str:
         return "ok"

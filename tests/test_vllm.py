@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,45 +16,15 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: make setup-vllm 
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from inference_server.process import free_port  # noqa: E402
+from inference_server.process import VllmProcess  # noqa: E402
 
 
-@contextlib.contextmanager
-def vllm_serve(model: Path, log_path: Path, *args: str, timeout_s: float = 600):
-    """An unmodified `vllm serve` (its OpenAI API server) on a free loopback port, its RL endpoints
-    on (VLLM_SERVER_DEV_MODE=1, as verl and slime run it); stopped, process group and all, on exit."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
-    iomp = Path(sys.executable).parent.parent / "lib" / "libiomp5.so"    # vLLM's CPU guide preloads it
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
-    env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-            "VLLM_SERVER_DEV_MODE": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-           "--seed", "0", "--served-model-name", "tiny", "--disable-log-stats", *args]
-    with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({proc.returncode}):\n{log_path.read_text(errors='replace')[-3000:]}")
-            assert time.monotonic() < deadline, f"vLLM did not come up in {timeout_s}s; see {log_path}"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(1)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+def vllm_serve(model: Path, log_path: Path) -> VllmProcess:
+    """An unmodified `vllm serve` on a free loopback port with Riptide's plugin and middleware: its RL
+    endpoints on (VLLM_SERVER_DEV_MODE=1, as verl and slime run it), Riptide's server protocol on its
+    own URL; stopped, process group and all, on exit."""
+    return VllmProcess(model, max_num_seqs=8, max_model_len=256, dtype="float32", log_path=log_path,
+                       args=["--served-model-name", "tiny"])
 
 
 def tiny(root: Path, seed: int) -> Path:
@@ -67,25 +35,20 @@ def tiny(root: Path, seed: int) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Two vLLM servers with the riptide backend on checkpoint v1 (their weight-sync endpoints up),
-    and a plain vLLM on checkpoint v2: what a push of v2 must make the first two serve. The three
-    start side by side."""
+    """Two vLLM servers on checkpoint v1 and a third on checkpoint v2: what a push of v2 must make the
+    first two serve. The three start side by side."""
     root = tmp_path_factory.mktemp("vllm")
     v1, v2 = tiny(root, 0), tiny(root, 1)
-    backend = ("--weight-transfer-config", '{"backend": "riptide"}')
     with contextlib.ExitStack() as stack:
-        starting = [vllm_serve(v1, root / "a.log", *backend), vllm_serve(v1, root / "b.log", *backend),
-                    vllm_serve(v2, root / "reference.log")]
-        with ThreadPoolExecutor(3) as pool:
-            a, b, reference = pool.map(stack.enter_context, starting)
-        sides = []
-        for url in (a, b):
-            side = free_port()
-            r = httpx.post(f"{url}/init_weight_transfer_engine", json={"init_info": {"port": side, "api_url": url}},
-                           timeout=120)
-            assert r.status_code == 200, r.text
-            sides.append(f"http://127.0.0.1:{side}")
-        yield {"vllm": [a, b], "weight_sync": sides, "reference": reference, "v1": v1, "v2": v2, "root": root}
+        servers = [vllm_serve(v1, root / "a.log"), vllm_serve(v1, root / "b.log"), vllm_serve(v2, root / "reference.log")]
+        for server in servers:
+            stack.callback(server.stop)
+            server.spawn()
+        for server in servers:
+            server.wait_ready(600)
+        a, b, reference = (server.url for server in servers)
+        # one URL a server: vLLM's API and Riptide's /weight_sync/* (the middleware's)
+        yield {"vllm": [a, b], "weight_sync": [a, b], "reference": reference, "v1": v1, "v2": v2, "root": root}
 
 
 def greedy(url: str, prompt: list[int] | None = None, n: int = 12) -> tuple[list[str], list[float]]:
@@ -225,3 +188,70 @@ def test_a_vllm_server_takes_the_weights_from_a_live_peer(fleet):
     assert greedy(b) == greedy(a) == greedy(fleet["reference"])
     want = live_digest(checkpoint_weights(fleet["v2"]))
     assert [httpx.get(f"{s}/weight_sync/digest").json()["digest"] for s in (side_a, side_b)] == [want, want]
+
+
+# ---- server.engine=vllm: the job and the rollout manager on stock vLLM servers ----------------------
+
+def test_a_grpo_job_on_vllm_servers_learns_and_stops_them(tmp_path):
+    """`server=vllm`: the short job of test_trainer_bridge (50 steps, async) with its rollouts on a stock
+    vLLM server that takes each version by Riptide's push; it learns as that job does on the embedded
+    server (same test), keeps every token within the staleness bound, and leaves no process behind."""
+    import json
+
+    from test_trainer_bridge import SHORT, last_json, rose, servers_of, train
+    proc = train(tmp_path, *SHORT, "server=vllm", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert last_json(proc.stdout)["steps"] == 50 and [r["step"] for r in lines] == list(range(50))
+    first, best = rose([r["reward/mean"] for r in lines])
+    assert best > first + 0.05, (first, best)
+    assert all(r["staleness_max"] <= 1 for r in lines)
+    assert all(r["sync/bytes"] > 0 for r in lines)               # every step's version went by a push
+    assert (tmp_path / "run" / "logs" / "vllm-0.log").exists()
+    assert servers_of(tmp_path) == []
+
+
+def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(tmp_path):
+    """weight_sync.inflight=abort on a vLLM server: each commit ends the requests in flight (vLLM's
+    pause in abort mode) and the manager resumes them from their partial tokens on the new weights.
+    A resumed sample's tokens carry the version vLLM labelled them with, and that is exact: every
+    token's behaviour logprob is the one the weights of its version give (recomputed here with
+    transformers), before and after the resume."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig, RolloutBackend
+    from trainer_bridge.config import ServerConfig, TaskConfig, WeightSyncConfig
+    path = tiny(tmp_path, 0)
+    rollout = RolloutConfig(batch_size=4, group_size=4, max_new_tokens=96, ignore_eos=True, temperature=1.0,
+                            update_policy="continue", max_staleness=2)
+    cfg = BackendConfig(path, task=TaskConfig(name="copy", num_digits=3, num_prompts=64), rollout=rollout,
+                        server=ServerConfig(engine="vllm", context_length=256, max_running_requests=16,
+                                            dtype="float32", device="cpu"),
+                        weight_sync=WeightSyncConfig(inflight="abort"))
+    models = {0: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
+    resumed, tokens_resumed = [], 0
+    with RolloutBackend(cfg) as backend:
+        backend.start()
+        for version in (1, 2, 3):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.02)
+            models[version] = model
+            backend.push_weights(model, version)
+            batch = backend.next_batch(timeout_s=300)
+            resumed += [s for s in batch.samples if s.num_aborts and len(set(s.versions)) > 1]
+            tokens_resumed += batch.metrics["tokens_resumed"]
+    assert tokens_resumed > 0 and resumed, "no sample spanned a push"
+    for sample in resumed[:4]:
+        assert sample.versions == sorted(sample.versions) and len(sample.response_ids) == 96
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        n = len(sample.prompt_ids)
+        for version in set(sample.versions):
+            with torch.no_grad():
+                logits = models[version](ids).logits[0, n - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(1, ids[0, n:, None])[:, 0]
+            at = [i for i, v in enumerate(sample.versions) if v == version]
+            got = torch.tensor([sample.logprobs[i] for i in at])
+            assert torch.allclose(got, want[at], atol=2e-3), (version, (got - want[at]).abs().max())

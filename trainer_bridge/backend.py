@@ -37,7 +37,7 @@ import httpx
 import torch
 
 from rollout.agent import RolloutFn, single_turn
-from rollout.client import Generation, RequestRefused, ServerClient, ServerError
+from rollout.client import Generation, RequestRefused, ServerError, client_for
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
 from rollout.service import RolloutSpec
@@ -116,8 +116,7 @@ class RolloutBackend:
         if cfg.server.context_length == 0:           # the model's own context
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(
                 cfg.server, context_length=model_context(cfg.model_path) or 2048))
-        if cfg.server.urls:
-            cfg.server.validate()            # attached servers off loopback need a token
+        cfg.server.validate()                # attached servers off loopback need a token; engine=vllm needs vLLM
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=cfg.server.token()))
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -164,7 +163,8 @@ class RolloutBackend:
         self.version = version
         self.rollout.start(RolloutSpec(
             self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
-            self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version))
+            self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version,
+            engine=self.cfg.server.engine))
         self.rollout.call("start")
 
     def next_batch(self, timeout_s: float | None = None) -> TrainBatch:
@@ -201,7 +201,7 @@ class RolloutBackend:
             raise RuntimeError("generate() before start(): no servers")
         params = {**self.cfg.rollout.sampling_params(), **(sampling_params or {})}
         return run_coroutine(generate_on(list(self.servers), prompts, params, self.cfg.server.api_key or None,
-                                         self.version))
+                                         self.version, self.cfg.server.engine))
 
     def push_weights(self, model, version: int, on_policy: bool = False):
         """Stream `model`'s weights into every server as `version` (two-phase: every server that
@@ -386,8 +386,8 @@ class NoManager:
 
 
 async def generate_on(urls: list[str], prompts: list[list[int]], params: dict, api_key: str | None,
-                      version: int) -> list[Generation]:
-    clients = [ServerClient(u, api_key=api_key) for u in urls]
+                      version: int, engine: str = "riptide") -> list[Generation]:
+    clients = [client_for(engine, u, api_key=api_key) for u in urls]
     tag = secrets.token_hex(4)
 
     async def one(i: int, ids: list[int]) -> Generation:

@@ -117,6 +117,11 @@ class ServerConfig:
     api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
                          "the job starts servers off loopback); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
+    engine: str = f("riptide", "riptide (the embedded server) | vllm (stock `vllm serve` with Riptide's weight-transfer "
+                               "plugin and middleware; make setup-vllm installs it)")
+    vllm_python: str = f("", "engine=vllm: an interpreter with vLLM and riptide installed (default: this one when it "
+                             "imports vllm, else .venv-vllm/bin/python)")
+    vllm_args: list = f([], "engine=vllm: more `vllm serve` flags, e.g. [--gpu-memory-utilization, '0.5']")
 
     def token(self) -> str:
         """The fleet's bearer token: server.api_key, $RIPTIDE_API_KEY, or '' (the job makes one)."""
@@ -132,7 +137,22 @@ class ServerConfig:
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
-            (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0")])
+            (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0"),
+            (self.engine in ("riptide", "vllm"), f"server.engine={self.engine!r}: use riptide or vllm"),
+            (self.engine != "vllm" or bool(self.urls) or self.vllm_interpreter() is not None,
+             f"server.engine=vllm: no interpreter with vLLM (server.vllm_python={self.vllm_python!r}, this one has no "
+             f"vllm, no .venv-vllm/bin/python): run make setup-vllm, or give server.vllm_python")])
+
+    def vllm_interpreter(self) -> str | None:
+        """The python that runs vLLM servers (engine=vllm), or None when there is none."""
+        import importlib.util
+        import sys
+        if self.vllm_python:
+            return self.vllm_python if Path(self.vllm_python).exists() else None
+        if importlib.util.find_spec("vllm") is not None:
+            return sys.executable
+        venv = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+        return str(venv) if venv.exists() else None
 
     def validate(self) -> None:
         raise_problems(self.problems())
@@ -339,7 +359,10 @@ class JobConfig:
              f"(rollout.batch_size x group_size = {self.rollout.batch_size * self.rollout.group_size})"),
             (self.trainer.overlong_buffer < self.rollout.max_new_tokens,
              f"trainer.overlong_buffer={self.trainer.overlong_buffer} must be less than rollout.max_new_tokens="
-             f"{self.rollout.max_new_tokens}")])
+             f"{self.rollout.max_new_tokens}"),
+            (self.server.engine != "vllm" or self.cluster.kind == "local" or bool(self.server.urls),
+             f"server.engine=vllm with cluster.kind={self.cluster.kind!r}: Riptide starts vLLM servers as local "
+             f"processes only so far; start them yourself and give server.urls, or use cluster.kind=local")])
         for name, device in (("trainer.device", self.trainer.device), ("server.device", self.server.device)):
             problem = device_problem(name, device)
             if problem:

@@ -12,7 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from inference_server.process import ServerProcess, cpu_share_args
+import httpx
+
+from inference_server.process import ServerProcess, VllmProcess, cpu_share_args
 from trainer_bridge.config import ServerConfig, WeightSyncConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,20 @@ def model_files(path: str) -> dict[str, bytes]:
             if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)}
 
 
+def vllm_cpu_env(server: ServerConfig, i: int) -> dict[str, str]:
+    """vLLM's CPU build binds its threads to every core but one; servers sharing this machine
+    each get their own cores instead (VLLM_CPU_OMP_THREADS_BIND), none when only one runs."""
+    if server.device not in ("auto", "cpu") or server.num_servers <= 1:
+        return {}
+    from platforms import platform_of, usable_cores
+    if server.device == "auto" and platform_of("auto").device_type != "cpu":
+        return {}
+    cores = usable_cores()
+    share = max(1, cores // server.num_servers)
+    first = (i * share) % cores
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{first}-{first + share - 1}" if share > 1 else str(first)}
+
+
 def device_env(device: str, i: int) -> dict[str, str]:
     """Server i's share of this machine's accelerators: one each, round-robin, through the
     platform's visible-devices variable (none on the CPU, or when `device` names one)."""
@@ -82,12 +98,42 @@ class LocalFleet:
         self._started = itertools.count()
 
     def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
+        if self.server.engine == "vllm":
+            return self._launch_vllm(n, version, peer)
         args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers)
         procs = []
         for _ in range(n):
             i = next(self._started)
             procs.append(ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{i}.log",
                                        env=device_env(self.server.device, i), api_key=self.server.api_key or None))
+        return self._start(procs)
+
+    def _launch_vllm(self, n: int, version: int, peer: str | None) -> list[str]:
+        """Stock vLLM servers (inference_server.process.VllmProcess) from the checkpoint, labelled
+        `version`; with `peer`, each then takes that live server's weights (its push_to), as a cold
+        start does, and serves the peer's version."""
+        s = self.server
+        procs = []
+        for _ in range(n):
+            i = next(self._started)
+            procs.append(VllmProcess(self.model_path, python=s.vllm_interpreter(), version=version,
+                                     max_num_seqs=s.max_running_requests, max_model_len=s.context_length,
+                                     dtype=s.dtype, seed=self.seed, args=list(s.vllm_args),
+                                     log_path=self.log_dir / f"vllm-{i}.log",
+                                     env={**device_env(s.device, i), **vllm_cpu_env(s, i)},
+                                     api_key=s.api_key or None))
+        urls = self._start(procs)
+        if peer:
+            headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+            for url in urls:
+                r = httpx.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": url}, headers=headers,
+                               timeout=s.start_timeout_s)
+                if r.status_code != 200:
+                    _stop_all(procs)
+                    raise RuntimeError(f"cold start of {url} from {peer} failed ({r.status_code}): {r.text[:300]}")
+        return urls
+
+    def _start(self, procs: list[ServerProcess]) -> list[str]:
         try:
             for p in procs:
                 p.spawn()
