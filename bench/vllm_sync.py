@@ -20,7 +20,15 @@ After the last round the server's greedy tokens are checked against a second vLL
 last checkpoint pushed. Medians over the rounds. The last line is one JSON object: `riptide_push_s`,
 `riptide_gbps`, `riptide_stall_s`, `best_vllm_path`, `best_vllm_path_push_s`, `disk_reload_s`
 (save + reload), `disk_save_s`, `disk_stall_s`, `ratio_disk_over_riptide`, `verified`,
-`rollout_tok_s_vllm` and `rollout_tok_s_native` (null: `server=vllm` in the job is not built yet).
+`rollout_tok_s_vllm` and `rollout_tok_s_native`.
+
+Then the demo job (`python -m trainer_bridge.train`, its defaults: copy, 150 steps, seed 0) runs twice
+with the same seed from .venv-vllm's interpreter, once on the embedded server and once with
+`server=vllm`: `rollout_tok_s_*` are the median over its steps of the job's `rollout/tokens_per_s`
+(tokens the servers generated a second while the job ran: what the job asked of them, not their
+peak), `reward_first_fifth_*` / `reward_last_fifth_*` its mean reward over the first and the last
+fifth of the steps, `job_s_*` the job's seconds (vLLM's ~50 s start included). `--plot PATH` draws
+the two reward curves side by side (docs/vllm_curves.png). `--job-steps 0` leaves the jobs out.
 """
 from __future__ import annotations
 
@@ -56,12 +64,50 @@ def greedy(url: str) -> list[str]:
     return r.json()["choices"][0]["text"]
 
 
+def demo_job(scratch: Path, engine: str, steps: int, seed: int) -> tuple[list[dict], float]:
+    """The demo job on `engine` (native: the embedded server; vllm: server=vllm): its metrics rows
+    and its seconds."""
+    import os
+    run = scratch / f"job_{engine}"
+    cmd = [str(VLLM_PY), "-m", "trainer_bridge.train", f"run_dir={run}", f"model.path={scratch / 'demo_model'}",
+           f"trainer.steps={steps}", f"seed={seed}", "logger.progress=false"] + (["server=vllm"] if engine == "vllm" else [])
+    log(f"demo job on {engine}: {steps} steps")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the demo job on {engine} failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return rows, round(time.perf_counter() - t0, 1)
+
+
+def plot_curves(jobs: dict, path: str, seed: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for engine, (rows, _) in jobs.items():
+        rewards = [r["reward/mean"] for r in rows]
+        smooth = [sum(rewards[max(0, i - 9):i + 1]) / len(rewards[max(0, i - 9):i + 1]) for i in range(len(rewards))]
+        line, = ax.plot(rewards, alpha=0.25)
+        ax.plot(smooth, color=line.get_color(), label=f"{'server=vllm' if engine == 'vllm' else 'embedded server'}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward/mean (10-step mean)")
+    ax.set_title(f"the demo job (copy, seed {seed}): embedded server and stock vLLM")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    log(f"curves: {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--job-steps", type=int, default=150, help="the demo job's steps on each engine (0: no jobs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="", help="draw the two jobs' reward curves into this PNG")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import httpx
@@ -132,8 +178,21 @@ def main() -> None:
            "disk_stall_s": med(disk, "stall_s"), "disk_gbps": round(gb / med(disk, "s"), 3),
            "ratio_disk_over_riptide": round(med(disk, "s") / med(riptide, "s"), 3), "verified": verified,
            "vllm_paths_skipped": {p: "needs CUDA" for p in GPU_ONLY}, "model_gb": round(gb, 3),
-           "rollout_tok_s_vllm": None, "rollout_tok_s_native": None,
            "rounds": {"riptide": riptide, "disk": disk}}
+    if a.job_steps:
+        jobs = {engine: demo_job(scratch, engine, a.job_steps, a.seed) for engine in ("native", "vllm")}
+        for engine, (rows, seconds) in jobs.items():
+            rewards = [r["reward/mean"] for r in rows]
+            fifth = max(1, len(rewards) // 5)
+            out |= {f"rollout_tok_s_{engine}": round(statistics.median(r["rollout/tokens_per_s"] for r in rows), 1),
+                    f"reward_first_fifth_{engine}": round(sum(rewards[:fifth]) / fifth, 4),
+                    f"reward_last_fifth_{engine}": round(sum(rewards[-fifth:]) / fifth, 4),
+                    f"job_s_{engine}": seconds}
+        if a.plot:
+            plot_curves(jobs, a.plot, a.seed)
+        out["job_seed"] = a.seed
+    else:
+        out |= {"rollout_tok_s_vllm": None, "rollout_tok_s_native": None}
     sys.stderr.flush()
     print(json.dumps(out), flush=True)
 

@@ -255,3 +255,25 @@ def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(tmp_
             at = [i for i, v in enumerate(sample.versions) if v == version]
             got = torch.tensor([sample.logprobs[i] for i in at])
             assert torch.allclose(got, want[at], atol=2e-3), (version, (got - want[at]).abs().max())
+
+
+def test_the_attach_api_drives_a_vllm_fleet_the_user_started(fleet):
+    """`server.urls` with `server.engine=vllm`: the backend attaches to the two running servers (as a
+    user's own `vllm serve ... --middleware inference_server.vllm_plugin.riptide_routes`), pushes
+    checkpoint v2 as version 5 into both, and samples through them: greedy tokens equal those of a
+    vLLM started from v2, each labelled version 5."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.backend import BackendConfig, RolloutBackend, generate_on, run_coroutine
+    from trainer_bridge.config import ServerConfig
+    from rollout.config import RolloutConfig
+    cfg = BackendConfig(str(fleet["v1"]), rollout=RolloutConfig(max_new_tokens=12),
+                        server=ServerConfig(engine="vllm", urls=list(fleet["vllm"]), context_length=256))
+    greedy_params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    with RolloutBackend(cfg) as backend:
+        backend.start(AutoModelForCausalLM.from_pretrained(fleet["v2"], dtype=torch.float32), version=5, manager=False)
+        got = backend.generate([PROMPT, PROMPT[::-1]], greedy_params)
+    want = run_coroutine(generate_on([fleet["reference"]], [PROMPT, PROMPT[::-1]], greedy_params, None, 0, "vllm"))
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+    assert all(g.versions == [5] * 12 for g in got)
+    assert [httpx.get(f"{url}/get_weight_version").json()["weight_version"] for url in fleet["vllm"]] == ["5", "5"]
