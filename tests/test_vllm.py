@@ -277,3 +277,62 @@ def test_the_attach_api_drives_a_vllm_fleet_the_user_started(fleet):
     assert [g.output_ids for g in got] == [w.output_ids for w in want]
     assert all(g.versions == [5] * 12 for g in got)
     assert [httpx.get(f"{url}/get_weight_version").json()["weight_version"] for url in fleet["vllm"]] == ["5", "5"]
+
+
+def test_delta_pushes_into_vllm_serve_exactly_the_trainers_weights(fleet):
+    """weight_sync.delta into the two vLLM servers (after the attach test): a full push, then two
+    pushes of ~2% of the weights as deltas. Both servers then hold the trainer's weights bit for bit
+    (digest of what they committed) and vLLM samples from them: greedy tokens' logprobs equal the
+    trainer model's own (transformers, to 2e-3)."""
+    from transformers import AutoModelForCausalLM
+
+    from test_delta_sync import step
+    from trainer_bridge.backend import generate_on, run_coroutine
+    from weight_sync import live_digest
+    from weight_sync.sender import WeightSync
+    trainer = AutoModelForCausalLM.from_pretrained(fleet["v1"], dtype=torch.float32)
+    sync = WeightSync(fleet["weight_sync"], bucket_bytes=BUCKET, delta=True)
+    try:
+        assert set(sync.push(trainer, 6).modes.values()) == {"full"}
+        for version in (7, 8):
+            step(trainer, version)
+            stats = sync.push(trainer, version)
+            assert set(stats.modes.values()) == {"delta"} and stats.wire_fraction < 0.2, stats
+    finally:
+        sync.close()
+    want = live_digest({n: p.detach() for n, p in trainer.named_parameters()})
+    assert [httpx.get(f"{url}/weight_sync/digest").json()["digest"] for url in fleet["vllm"]] == [want, want]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    for url in fleet["vllm"]:
+        gen, = run_coroutine(generate_on([url], [PROMPT], params, None, 0, "vllm"))
+        assert gen.versions == [8] * 12
+        ids = torch.tensor([PROMPT + gen.output_ids])
+        with torch.no_grad():
+            logits = trainer(ids).logits[0, len(PROMPT) - 1:-1]
+        recomputed = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
+        assert torch.allclose(torch.tensor(gen.logprobs), recomputed, atol=2e-3)
+
+
+def test_an_fsdp2_trainers_push_into_vllm_serves_the_gathered_weights(fleet, tmp_path):
+    """push_sharded into both vLLM servers: two gloo ranks with the model fully_shard-ed each write
+    the shard they hold (nothing gathered); both servers then hold the gathered weights bit for bit,
+    and vLLM samples from them: greedy tokens and logprobs as transformers gives for the gathered model."""
+    from transformers import AutoModelForCausalLM
+
+    from test_sharded import run_ranks
+    from trainer_bridge.backend import generate_on, run_coroutine
+    rank0, rank1 = run_ranks(str(fleet["v1"]), ",".join(fleet["weight_sync"]), 9, tmp_path / "push.json",
+                             "--mode", "direct")
+    assert rank0["ok"] and rank1["ok"], (rank0, rank1)
+    assert rank0["peak_gathered_bytes"] == 0 and min(rank0["egress_by_rank"]) > 0
+    assert [httpx.get(f"{url}/weight_sync/digest").json()["digest"] for url in fleet["vllm"]] == [rank0["digest"]] * 2
+    gathered = AutoModelForCausalLM.from_pretrained(rank0["saved"], dtype=torch.float32)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    for gen in run_coroutine(generate_on(list(fleet["vllm"]), [PROMPT, PROMPT], params, None, 0, "vllm")):
+        assert gen.versions == [9] * 12
+        ids = torch.tensor([PROMPT + gen.output_ids])
+        with torch.no_grad():
+            logits = gathered(ids).logits[0, len(PROMPT) - 1:-1]
+        assert torch.equal(logits.argmax(-1), ids[0, len(PROMPT):])
+        recomputed = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
+        assert torch.allclose(torch.tensor(gen.logprobs), recomputed, atol=2e-3)
