@@ -155,15 +155,18 @@ class VllmProcess(ServerProcess):
 
     def __init__(self, model_path: str | Path, python: str | Path | None = None, version: int = 0,
                  max_num_seqs: int = 64, max_model_len: int = 1024, dtype: str = "auto", seed: int = 0,
-                 kv_space_gb: int = 1, **kw):
+                 kv_space_gb: int = 1, no_weights: bool = False, **kw):
+        """`no_weights`: start without reading the checkpoint's weights (vLLM's dummy load; the model
+        directory needs only its config and tokenizer) and serve nothing until a push commits."""
         super().__init__(model_path, **kw)
-        self.python = str(python or sys.executable)
+        self.python, self.no_weights = str(python or sys.executable), no_weights
         self.flags = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len),
-                      "--dtype", dtype, "--seed", str(seed)]
+                      "--dtype", dtype, "--seed", str(seed)] + (["--load-format", "dummy"] if no_weights else [])
         api_key = self.env.pop(API_KEY_ENV, None)
         self.env = {"VLLM_SERVER_DEV_MODE": "1", "RIPTIDE_WEIGHT_VERSION": str(version),
                     "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gb), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                    "HF_HUB_OFFLINE": "1", **({"VLLM_API_KEY": api_key} if api_key else {}), **self.env}
+                    "HF_HUB_OFFLINE": "1", **({"VLLM_API_KEY": api_key} if api_key else {}),
+                    **({"RIPTIDE_NO_WEIGHTS": "1"} if no_weights else {}), **self.env}
 
     def spawn(self) -> "VllmProcess":
         cmd = [self.python, "-m", "inference_server.vllm_serve", "--parent-pid", str(os.getpid()),
@@ -180,8 +183,9 @@ class VllmProcess(ServerProcess):
         return self
 
     def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:
-        """Until /health answers and the weight-sync endpoints are up (the first call starts them)."""
-        super().wait_ready(timeout)
+        """Until /health answers (503 "no weights" for a server started without them) and the
+        weight-sync endpoints are up (the first call starts them)."""
+        super().wait_ready(timeout, cold_ok=self.no_weights)
         headers = {"Authorization": f"Bearer {self.env['VLLM_API_KEY']}"} if "VLLM_API_KEY" in self.env else {}
         r = httpx.get(f"{self.url}/weight_sync/status", headers=headers, timeout=max(1.0, timeout))
         if r.status_code != 200:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -39,6 +40,7 @@ import torch
 
 log = logging.getLogger(__name__)
 BACKEND = "riptide"
+NO_WEIGHTS_ENV = "RIPTIDE_NO_WEIGHTS"     # "1": vLLM started with --load-format dummy; the first push brings them
 
 
 def register() -> None:
@@ -58,6 +60,17 @@ def checkpoint_weights(model_path: str) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(str(f)))
     return out
+
+
+def placeholder_weights(model_path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """For a server started without weights (RIPTIDE_NO_WEIGHTS=1, vLLM's `--load-format dummy`): the
+    checkpoint's tensor names and shapes from its config alone (a model on the meta device), as
+    uninitialised host tensors for the first push to fill."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return {name: torch.empty(p.shape, dtype=dtype) for name, p in model.named_parameters()}
 
 
 class VllmPort:
@@ -115,7 +128,7 @@ class VllmPort:
                                 version)
             finally:
                 call("/resume")
-        self.live, self.version = tensors, version
+        self.live, self.version, self.has_weights = tensors, version, True
         return time.perf_counter() - t0
 
     def set_version(self, version: int) -> None:
@@ -194,8 +207,11 @@ class RiptideTransferEngine(_Base):
         if self.receiver is not None:
             raise RuntimeError("the riptide transfer engine is already initialised")
         api_url = init_info.api_url or f"http://127.0.0.1:{self._api_port()}"
-        live = checkpoint_weights(self.model_config.model)
+        cold = os.environ.get(NO_WEIGHTS_ENV) == "1"
+        live = (placeholder_weights(self.model_config.model, self.model_config.dtype) if cold
+                else checkpoint_weights(self.model_config.model))
         port = VllmPort(self, live, api_url, init_info.api_key, init_info.version)
+        port.has_weights = not cold
         self.receiver = Receiver(port, lambda: MooncakeTransport(init_info.mooncake_host or init_info.host,
                                                                  init_info.protocol, init_info.device_name))
         config = uvicorn.Config(_side_app(self.receiver, init_info.api_key), host=init_info.host,
@@ -253,23 +269,23 @@ class _Routes:
     def __init__(self):
         import asyncio
         self.side: str | None = None           # http://127.0.0.1:PORT of the worker's /weight_sync endpoints
+        self.cold = os.environ.get(NO_WEIGHTS_ENV) == "1"      # no weights until a commit lands
         self.lock = asyncio.Lock()
         self.client = None
 
 
 _routes: _Routes | None = None
+# what a server without weights refuses (vLLM's weight-update and pause calls, which the first commit
+# itself makes, and /weight_sync/* go through)
+SERVING_PREFIXES = ("/v1/", "/inference/", "/generate", "/pooling", "/classify", "/score", "/rerank")
+SERVING_PATHS = ("/health", "/health_generate", "/get_weight_version", "/weight_info")
 
 
 async def _side_url(app) -> str:
     """Start the worker's weight-sync endpoints on first use (vLLM's /init_weight_transfer_engine,
     as a trainer would call it) and label the loaded checkpoint with its version."""
-    import os
-
     from inference_server.process import free_port
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-    global _routes
-    if _routes is None:
-        _routes = _Routes()
     async with _routes.lock:
         if _routes.side is None:
             args, engine = app.state.args, app.state.engine_client
@@ -298,7 +314,15 @@ async def riptide_routes(request, call_next):
 
     import httpx
     from fastapi.responses import JSONResponse, Response
+    global _routes
+    if _routes is None:
+        _routes = _Routes()
     path = request.url.path
+    if _routes.cold and (path.startswith(SERVING_PREFIXES) or path in SERVING_PATHS):
+        # as the embedded server started without weights: up (503 "no weights"), serving nothing
+        # (vLLM's dummy weights are noise) and reporting no version until a push committed
+        return JSONResponse({"error": "no weights yet: this server waits for a push (started without weights)"},
+                            status_code=503)
     if not (path.startswith("/weight_sync/") or path in ("/get_weight_version", "/health_generate")):
         return await call_next(request)
     key = _api_key(request.app)
@@ -322,4 +346,6 @@ async def riptide_routes(request, call_next):
                                          content=await request.body(), headers=headers)
     except (httpx.HTTPError, asyncio.CancelledError) as e:
         return JSONResponse({"error": f"riptide weight-sync endpoints: {type(e).__name__}: {e}"}, status_code=502)
+    if path == "/weight_sync/commit" and r.status_code == 200:
+        _routes.cold = False
     return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))

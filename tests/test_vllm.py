@@ -336,3 +336,51 @@ def test_an_fsdp2_trainers_push_into_vllm_serves_the_gathered_weights(fleet, tmp
         assert torch.equal(logits.argmax(-1), ids[0, len(PROMPT):])
         recomputed = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
         assert torch.allclose(torch.tensor(gen.logprobs), recomputed, atol=2e-3)
+
+
+def test_a_vllm_server_added_to_a_fleet_starts_without_weights_and_takes_a_peers(fleet):
+    """`add_servers` on a vLLM fleet (runs after the FSDP2 push): the new server starts without reading
+    the checkpoint's weights (vLLM's dummy load), answers 503 "no weights" and reports no version
+    until a push lands, then takes the live peer's weights (push_to, no trainer, no disk) and serves
+    exactly what the peer serves: same digest, same version, same greedy tokens. close() stops it and
+    leaves the user's servers running."""
+    from trainer_bridge.backend import BackendConfig, RolloutBackend, generate_on, run_coroutine
+    from trainer_bridge.config import ServerConfig
+    from rollout.config import RolloutConfig
+    peer = fleet["vllm"][0]
+    version = int(httpx.get(f"{peer}/get_weight_version").json()["weight_version"])
+    cfg = BackendConfig(str(fleet["v1"]), rollout=RolloutConfig(max_new_tokens=12),
+                        server=ServerConfig(engine="vllm", urls=[peer], context_length=256, dtype="float32",
+                                            max_running_requests=8))
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    with RolloutBackend(cfg) as backend:
+        backend.start(version=version, manager=False)
+        new, = backend.add_servers(1)
+        assert new in backend.servers                  # it serves the fleet version: it joined
+        assert httpx.get(f"{new}/weight_sync/digest").json() == httpx.get(f"{peer}/weight_sync/digest").json()
+        got, want = (run_coroutine(generate_on([u], [PROMPT], params, None, 0, "vllm"))[0] for u in (new, peer))
+        assert got.output_ids == want.output_ids and got.versions == [version] * 12
+        log = (backend.fleet.log_dir / "vllm-0.log").read_text()
+        assert "dummy" in log.lower()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{new}/health", timeout=5)          # stopped
+    assert httpx.get(f"{peer}/health").status_code == 200
+
+
+def test_a_vllm_server_started_without_weights_serves_nothing_until_a_push(tmp_path):
+    """Before any push, a server started without weights is up but refuses to serve or to name a version."""
+    from inference_server.process import VllmProcess
+    from trainer_bridge.fleets.local import model_files
+    src = tiny(tmp_path, 0)
+    bare = tmp_path / "bare"                            # config and tokenizer only: no weights on this host
+    bare.mkdir()
+    for name, data in model_files(str(src)).items():
+        (bare / name).write_bytes(data)
+    with VllmProcess(bare, max_num_seqs=8, max_model_len=256, dtype="float32", no_weights=True,
+                     log_path=tmp_path / "cold.log") as server:
+        for path in ("/health", "/get_weight_version"):
+            r = httpx.get(server.url + path)
+            assert r.status_code == 503 and "no weights" in r.text
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 503
+        assert httpx.get(f"{server.url}/weight_sync/status").json()["version"] == 0

@@ -110,15 +110,15 @@ class LocalFleet:
 
     def _launch_vllm(self, n: int, version: int, peer: str | None) -> list[str]:
         """Stock vLLM servers (inference_server.process.VllmProcess) from the checkpoint, labelled
-        `version`; with `peer`, each then takes that live server's weights (its push_to), as a cold
-        start does, and serves the peer's version."""
+        `version`; with `peer`, each starts without weights (no disk read) and takes that live
+        server's (its push_to), as a cold start does, serving the peer's version."""
         s = self.server
         procs = []
         for _ in range(n):
             i = next(self._started)
             procs.append(VllmProcess(self.model_path, python=s.vllm_interpreter(), version=version,
                                      max_num_seqs=s.max_running_requests, max_model_len=s.context_length,
-                                     dtype=s.dtype, seed=self.seed, args=list(s.vllm_args),
+                                     dtype=s.dtype, seed=self.seed, args=list(s.vllm_args), no_weights=bool(peer),
                                      log_path=self.log_dir / f"vllm-{i}.log",
                                      env={**device_env(s.device, i), **vllm_cpu_env(s, i)},
                                      api_key=s.api_key or None))
