@@ -292,7 +292,7 @@ async def _side_url(app) -> str:
             port, version = free_port(), int(os.environ.get("RIPTIDE_WEIGHT_VERSION", "0"))
             api_host = args.host if args.host not in (None, "", "0.0.0.0", "::") else "127.0.0.1"
             await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={
-                "port": port, "host": "127.0.0.1", "api_url": f"http://127.0.0.1:{args.port}",
+                "port": port, "host": "127.0.0.1", "api_url": f"http://{api_host}:{args.port}",
                 "api_key": _api_key(app), "version": version,
                 "mooncake_host": os.environ.get("RIPTIDE_MOONCAKE_HOST", api_host)}))
             await engine.update_weight_version(str(version))

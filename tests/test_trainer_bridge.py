@@ -67,7 +67,6 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
     (["trainer.lr=abc"], ["trainer.lr='abc'", "a number"]),
     (["trainer.resume=latest"], ["trainer.resume=latest", "no checkpoint"]),
     (["server.engine=sglang"], ["server.engine='sglang'", "riptide or vllm"]),
-    (["server=vllm", "cluster=ray"], ["server.engine=vllm with cluster.kind='ray'", "server.urls"]),
     (["server=vllm", "server.vllm_python=/no/python"], ["server.engine=vllm", "/no/python", "make setup-vllm"]),
     (["task.name=bogus", "trainer.lr=-1", "rollout.max_new_tokens=10000"],
      ["task.name='bogus'", "trainer.lr=-1.0", "rollout.max_new_tokens=10000"]),   # one line per problem

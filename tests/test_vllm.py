@@ -384,3 +384,43 @@ def test_a_vllm_server_started_without_weights_serves_nothing_until_a_push(tmp_p
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 503
         assert httpx.get(f"{server.url}/weight_sync/status").json()["version"] == 0
+
+
+def test_vllm_servers_as_ray_actors_take_pushes_and_sample_them(tmp_path):
+    """`cluster=ray` with `server.engine=vllm`: the fleet places a vLLM server in a placement group of
+    its own (a Ray cluster on this machine, on loopback), pushes into it, and samples through it:
+    each version's greedy logprobs are that model's (transformers, to 2e-3). close() removes it."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig, RolloutBackend
+    from trainer_bridge.config import ClusterConfig, ServerConfig
+    path = tiny(tmp_path, 0)
+    cfg = BackendConfig(str(path), rollout=RolloutConfig(max_new_tokens=12),
+                        server=ServerConfig(engine="vllm", context_length=256, dtype="float32", max_running_requests=8),
+                        cluster=ClusterConfig(kind="ray", placement_timeout_s=60))
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    try:
+        with RolloutBackend(cfg) as backend:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            backend.start(model, version=1, manager=False)
+            for version in (1, 2):
+                if version == 2:
+                    with torch.no_grad():
+                        for p in model.parameters():
+                            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.02)
+                    backend.push_weights(model, 2)
+                gen, = backend.generate([PROMPT], params)
+                assert gen.versions == [version] * 12
+                ids = torch.tensor([PROMPT + gen.output_ids])
+                with torch.no_grad():
+                    logits = model(ids).logits[0, len(PROMPT) - 1:-1]
+                recomputed = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
+                assert torch.allclose(torch.tensor(gen.logprobs), recomputed, atol=2e-3)
+            url = backend.servers[0]
+            assert backend.fleet.info(url)["pid"] > 0
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=5)
+    finally:
+        ray.shutdown()

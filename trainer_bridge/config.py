@@ -359,10 +359,7 @@ class JobConfig:
              f"(rollout.batch_size x group_size = {self.rollout.batch_size * self.rollout.group_size})"),
             (self.trainer.overlong_buffer < self.rollout.max_new_tokens,
              f"trainer.overlong_buffer={self.trainer.overlong_buffer} must be less than rollout.max_new_tokens="
-             f"{self.rollout.max_new_tokens}"),
-            (self.server.engine != "vllm" or self.cluster.kind == "local" or bool(self.server.urls),
-             f"server.engine=vllm with cluster.kind={self.cluster.kind!r}: Riptide starts vLLM servers as local "
-             f"processes only so far; start them yourself and give server.urls, or use cluster.kind=local")])
+             f"{self.rollout.max_new_tokens}")])
         for name, device in (("trainer.device", self.trainer.device), ("server.device", self.server.device)):
             problem = device_problem(name, device)
             if problem:

@@ -12,8 +12,6 @@ def make_fleet(model_path: str, server: ServerConfig, weight_sync: WeightSyncCon
                seed: int = 0, log_dir: str = "") -> Fleet:
     """The servers' fleet for `cluster.kind`."""
     if cluster.kind == "ray":
-        if server.engine == "vllm":
-            raise ValueError("server.engine=vllm runs under cluster.kind=local only so far (or give server.urls)")
         from trainer_bridge.fleets.ray_cluster import RayFleet    # Ray loads only for jobs that use it
         return RayFleet(model_path, server, weight_sync, cluster, seed)
     return LocalFleet(model_path, server, weight_sync, seed, log_dir)

@@ -21,7 +21,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from platforms import server_bundle
-from inference_server.process import ServerProcess, free_port, is_loopback
+from inference_server.process import ServerProcess, VllmProcess, free_port, is_loopback
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
 from trainer_bridge.fleets.local import model_files, server_args
@@ -80,6 +80,42 @@ class ServerActor:
         self.server.start(timeout=timeout_s, cold_ok="--no-weights" in args)
         return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
                 "pid": self.server.proc.pid, "cold": cold}
+
+    def start_vllm(self, model_path: str, server: ServerConfig, version: int, seed: int, host: str | None = None,
+                   files: dict[str, bytes] | None = None, peer: str | None = None, pushed: bool = False) -> dict:
+        """A stock vLLM server (server.engine=vllm) on this node, bound to its address, its Mooncake
+        engine there too. It starts without weights when this host cannot read `model_path` (the
+        checkpoint's config and tokenizer come in `files`; the trainer's push brings the weights) or
+        when `peer` gives them (its push_to, once this one is up)."""
+        import httpx
+        host = host or ray.util.get_node_ip_address()
+        log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
+        log_dir.mkdir(exist_ok=True)
+        readable = (Path(model_path) / "config.json").is_file()
+        if not readable:
+            if not files or not (peer or pushed):
+                raise RuntimeError(f"host {host} cannot read model.path={model_path!r} and no weights would reach it: "
+                                   f"put the checkpoint there, or start the job with a model to push")
+            model_path = tempfile.mkdtemp(prefix="riptide-model-")
+            for name, data in files.items():
+                (Path(model_path) / name).write_bytes(data)
+        port = free_port(host)
+        self.server = VllmProcess(model_path, python=server.vllm_interpreter(), version=version,
+                                  max_num_seqs=server.max_running_requests, max_model_len=server.context_length,
+                                  dtype=server.dtype, seed=seed, no_weights=bool(peer) or not readable,
+                                  args=list(server.vllm_args), port=port, host=host,
+                                  env={"RIPTIDE_MOONCAKE_HOST": host}, log_path=log_dir / f"vllm-{port}.log",
+                                  api_key=server.api_key or None)
+        self.server.start(timeout=server.start_timeout_s)
+        if peer:
+            headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+            r = httpx.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": self.server.url},
+                           headers=headers, timeout=server.start_timeout_s)
+            if r.status_code != 200:
+                self.server.kill()
+                raise RuntimeError(f"cold start of {self.server.url} from {peer} failed ({r.status_code}): {r.text[:300]}")
+        return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
+                "pid": self.server.proc.pid, "cold": not readable}
 
     def kill(self) -> None:
         self.server.kill()
@@ -161,9 +197,13 @@ class RayFleet:
             actors = [in_bundle(ServerActor, bundle, g, 0).remote() for g in groups]
             loopback = "127.0.0.1" if _LOCAL else None
             files = ray.put(model_files(self.model_path))
-            infos = ray.get([a.start.remote(self.model_path, args, self.server.start_timeout_s,
-                                            self.server.api_key or None, loopback, files, pushed) for a in actors],
-                            timeout=self.server.start_timeout_s + 30)
+            if self.server.engine == "vllm":
+                starts = [a.start_vllm.remote(self.model_path, self.server, version, self.seed, loopback, files, peer,
+                                              pushed) for a in actors]
+            else:
+                starts = [a.start.remote(self.model_path, args, self.server.start_timeout_s,
+                                         self.server.api_key or None, loopback, files, pushed) for a in actors]
+            infos = ray.get(starts, timeout=self.server.start_timeout_s + 30)
         except BaseException:
             for a in actors:
                 ray.kill(a)
