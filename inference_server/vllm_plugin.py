@@ -210,7 +210,8 @@ class RiptideTransferEngine(_Base):
         cold = os.environ.get(NO_WEIGHTS_ENV) == "1"
         live = (placeholder_weights(self.model_config.model, self.model_config.dtype) if cold
                 else checkpoint_weights(self.model_config.model))
-        port = VllmPort(self, live, api_url, init_info.api_key, init_info.version)
+        # without weights it serves no version (-1, as the embedded server's cold start)
+        port = VllmPort(self, live, api_url, init_info.api_key, -1 if cold else init_info.version)
         port.has_weights = not cold
         self.receiver = Receiver(port, lambda: MooncakeTransport(init_info.mooncake_host or init_info.host,
                                                                  init_info.protocol, init_info.device_name))

@@ -383,7 +383,7 @@ def test_a_vllm_server_started_without_weights_serves_nothing_until_a_push(tmp_p
             assert r.status_code == 503 and "no weights" in r.text
         r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
         assert r.status_code == 503
-        assert httpx.get(f"{server.url}/weight_sync/status").json()["version"] == 0
+        assert httpx.get(f"{server.url}/weight_sync/status").json()["version"] == -1
 
 
 def test_vllm_servers_as_ray_actors_take_pushes_and_sample_them(tmp_path):

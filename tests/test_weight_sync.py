@@ -493,6 +493,32 @@ def test_a_prepared_server_that_missed_the_commit_completes(fresh_server, new_mo
     assert greedy(b.url)["output_ids"] == reference(new_model)
 
 
+def test_a_server_without_weights_is_not_counted_as_serving_a_version_it_never_committed(tiny_model, new_model,
+                                                                                         tmp_path_factory):
+    """A server started without weights under the label of the version being pushed (a cold vLLM
+    server took its peer's label and reported it) prepares the push and loses the commit. It serves
+    nothing, so the push must not count it as serving that version: CommitIncomplete, not success.
+    (A cold vLLM server's push_to answered 200 this way while its commit had failed.) The embedded
+    server reports -1 without weights; the client here reports the label, as that vLLM did."""
+    from inference_server.process import ServerProcess
+    from weight_sync.sender import CommitIncomplete, WeightSync
+    cold = ServerProcess(tiny_model, args=["--context-length", "1024", "--no-weights", "--weight-version", "1"],
+                         log_path=tmp_path_factory.mktemp("logs") / "cold.log").start(cold_ok=True)
+
+    class ReportsItsLabel(type(_LosesCommit(cold.url, 2))):
+        def open(self, req):
+            return super().open(req).model_copy(update={"current_version": 1})
+    try:
+        sync = WeightSync([ReportsItsLabel(cold.url, 2)], bucket_bytes=BUCKET, timeout_s=2)
+        with pytest.raises(CommitIncomplete) as e:
+            sync.push(new_model, version=1)
+        sync.close()
+        assert e.value.stats.serving[cold.url] != 1
+        assert httpx.get(f"{cold.url}/health").status_code == 503          # still no weights
+    finally:
+        cold.stop()
+
+
 def test_receiver_refuses_every_illegal_transition(tiny_model):
     """idle -> open -> staged -> prepared -> committed | aborted, on a receiver in this process."""
     from inference_server.engine import Engine, EngineArgs

@@ -383,7 +383,10 @@ class WeightSync:
         v = stats.version
         for p in peers:
             old = p.reply.current_version if p.reply is not None else None
-            stats.serving[p.name] = v if p.current or (p.staging and p.name not in stats.pending) else old
+            if p.current or (p.staging and p.name not in stats.pending):
+                stats.serving[p.name] = v
+            else:        # its old state; under v's label only if it had no weights (or torn ones): none
+                stats.serving[p.name] = old if old != v else None
             if p.error:
                 stats.dropped[p.name] = p.error
         done = [n for n, s in stats.serving.items() if s == v]
