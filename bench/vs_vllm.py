@@ -112,17 +112,12 @@ def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bin
                 extra: tuple[str, ...] = (), extra_env: dict | None = None):
     import httpx
 
-    from inference_server.process import free_port
+    from inference_server.process import free_port, vllm_env
     port = free_port()
-    # vLLM as its CPU guide sets it up: OpenMP threads bound to `bind` (its default, auto, keeps one
-    # core for its scheduler process: on 2 cores the model then gets one), Intel's OpenMP preloaded,
-    # 4 GB of KV space; logging and telemetry quietened
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
-    if bind:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    iomp = python.parent.parent / "lib" / "libiomp5.so"       # vLLM's CPU guide preloads Intel's OpenMP
-    if iomp.exists():
-        env["LD_PRELOAD"] = str(iomp)
+    # vLLM as its CPU guide sets it up (threads bound to `bind`: its default, auto, keeps one core for
+    # its scheduler process, so on 2 cores the model gets one), 4 GB of KV space; logging and
+    # telemetry quietened
+    env = vllm_env(python, bind)
     env |= {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",

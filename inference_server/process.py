@@ -145,6 +145,19 @@ class ServerProcess:
 VLLM_BACKEND = '{"backend": "riptide"}'
 
 
+def vllm_env(python: str | Path, bind: str = "") -> dict[str, str]:
+    """This process's environment for a vLLM server run by `python`, as vLLM's CPU guide sets it up:
+    its OpenMP threads bound by vLLM (to `bind` when given; auto keeps one core for its scheduler),
+    not by an inherited OMP_NUM_THREADS, and Intel's OpenMP preloaded when that venv has it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
 class VllmProcess(ServerProcess):
     """A stock vLLM OpenAI server (`vllm serve`) that speaks Riptide's server protocol on its own URL:
     the riptide weight-transfer backend and middleware (inference_server/vllm_plugin.py), vLLM's RL
@@ -173,13 +186,9 @@ class VllmProcess(ServerProcess):
                "--model", self.model_path, "--host", self.host, "--port", str(self.port),
                "--weight-transfer-config", VLLM_BACKEND, "--middleware", "inference_server.vllm_plugin.riptide_routes",
                "--enable-scale-out", "--disable-log-stats", *self.flags, *self.args]
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")}
-        iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"
-        if iomp.exists():
-            env["LD_PRELOAD"] = str(iomp)
         self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**env, **self.env},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**vllm_env(self.python), **self.env}, start_new_session=True)
         return self
 
     def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:

@@ -308,24 +308,44 @@ def _api_key(app) -> str | None:
     return keys or None
 
 
-async def riptide_routes(request, call_next):
-    """vLLM `--middleware`: answers Riptide's server protocol on vLLM's API port (module doc); every
-    other path goes to vLLM as it was."""
+class RiptideRoutes:
+    """vLLM `--middleware` (a plain ASGI middleware: vLLM's own requests pass through at the cost of a
+    path check, with no per-request wrapping): answers Riptide's server protocol on vLLM's API port
+    (module doc); every other path goes to vLLM as it was."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        global _routes
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if _routes is None:
+            _routes = _Routes()
+        path = scope["path"]
+        ours = path.startswith("/weight_sync/") or path in ("/get_weight_version", "/health_generate")
+        gated = _routes.cold and (path.startswith(SERVING_PREFIXES) or path in SERVING_PATHS)
+        if not (ours or gated):
+            return await self.app(scope, receive, send)
+        from fastapi import Request
+        response = await _answer(Request(scope, receive))
+        await response(scope, receive, send)
+
+
+riptide_routes = RiptideRoutes          # the name `--middleware inference_server.vllm_plugin.riptide_routes` gives
+
+
+async def _answer(request):
     import asyncio
 
     import httpx
     from fastapi.responses import JSONResponse, Response
-    global _routes
-    if _routes is None:
-        _routes = _Routes()
     path = request.url.path
-    if _routes.cold and (path.startswith(SERVING_PREFIXES) or path in SERVING_PATHS):
+    if _routes.cold and not path.startswith("/weight_sync/"):
         # as the embedded server started without weights: up (503 "no weights"), serving nothing
         # (vLLM's dummy weights are noise) and reporting no version until a push committed
         return JSONResponse({"error": "no weights yet: this server waits for a push (started without weights)"},
                             status_code=503)
-    if not (path.startswith("/weight_sync/") or path in ("/get_weight_version", "/health_generate")):
-        return await call_next(request)
     key = _api_key(request.app)
     if key is not None and request.headers.get("authorization") != f"Bearer {key}":
         return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)

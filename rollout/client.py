@@ -224,9 +224,9 @@ class VllmClient(ServerClient):
         if rids:
             await self._post("/abort_requests", {"request_ids": [self._rid(r) for r in rids]}, timeout=10)
 
-    async def progress(self, timeout_s: float) -> tuple[float, float] | None:
+    def __init__(self, url: str, **kw):
+        super().__init__(url, **kw)
         self._no_progress_route = True            # vLLM counts no steps we can read: probe the engine
-        return await super().progress(timeout_s)
 
 
 def client_for(engine: str, url: str, **kw) -> ServerClient:

@@ -59,6 +59,16 @@ def model_files(path: str) -> dict[str, bytes]:
             if p.is_file() and not p.name.endswith(WEIGHT_SUFFIXES)}
 
 
+def take_from_peer(peer: str, url: str, api_key: str | None, timeout_s: float) -> None:
+    """A server started without weights takes a live peer's (the peer's push_to: no trainer, no disk);
+    raises, naming both, when the peer's push did not commit there."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": url}, headers=headers,
+                   timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"cold start of {url} from {peer} failed ({r.status_code}): {r.text[:300]}")
+
+
 def vllm_cpu_env(server: ServerConfig, i: int) -> dict[str, str]:
     """vLLM's CPU build binds its threads to every core but one; servers sharing this machine
     each get their own cores instead (VLLM_CPU_OMP_THREADS_BIND), none when only one runs."""
@@ -124,13 +134,12 @@ class LocalFleet:
                                      api_key=s.api_key or None))
         urls = self._start(procs)
         if peer:
-            headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-            for url in urls:
-                r = httpx.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": url}, headers=headers,
-                               timeout=s.start_timeout_s)
-                if r.status_code != 200:
-                    _stop_all(procs)
-                    raise RuntimeError(f"cold start of {url} from {peer} failed ({r.status_code}): {r.text[:300]}")
+            try:
+                for url in urls:
+                    take_from_peer(peer, url, s.api_key or None, s.start_timeout_s)
+            except BaseException:
+                _stop_all(procs)
+                raise
         return urls
 
     def _start(self, procs: list[ServerProcess]) -> list[str]:

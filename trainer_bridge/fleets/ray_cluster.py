@@ -24,7 +24,7 @@ from platforms import server_bundle
 from inference_server.process import ServerProcess, VllmProcess, free_port, is_loopback
 from rollout.service import RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
-from trainer_bridge.fleets.local import model_files, server_args
+from trainer_bridge.fleets.local import model_files, server_args, take_from_peer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,28 @@ def node_address() -> str:
     return "127.0.0.1" if _LOCAL else ray.util.get_node_ip_address()
 
 
+def server_log_dir() -> Path:
+    """Where a node's server logs go."""
+    path = Path(tempfile.gettempdir()) / "riptide-ray-servers"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def model_here(model_path: str, files: dict[str, bytes] | None, host: str, weights_coming: bool) -> tuple[str, bool]:
+    """(a model directory on this host, whether it lacks the weights). A host that cannot read
+    `model_path` (no shared filesystem) gets `files` (the checkpoint's config and tokenizer) written
+    to a local directory; its server starts without weights, which must come by a push or a peer."""
+    if (Path(model_path) / "config.json").is_file():
+        return model_path, False
+    if not files or not weights_coming:
+        raise RuntimeError(f"host {host} cannot read model.path={model_path!r} and no weights would reach it: "
+                           f"put the checkpoint there, or start the job with a model to push")
+    local = tempfile.mkdtemp(prefix="riptide-model-")
+    for name, data in files.items():
+        (Path(local) / name).write_bytes(data)
+    return local, True
+
+
 class ServerActor:
     """One inference server on this actor's node."""
 
@@ -62,21 +84,13 @@ class ServerActor:
         `files` (the checkpoint's config and tokenizer) to a local directory and starts without
         weights: a live peer (--weights-from-peer) or the trainer's next push brings them."""
         host = host or ray.util.get_node_ip_address()
-        log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
-        log_dir.mkdir(exist_ok=True)
-        cold = not (Path(model_path) / "config.json").is_file()
+        model_path, cold = model_here(model_path, files, host, "--weights-from-peer" in args or pushed)
         if cold:
-            if not files or not ("--weights-from-peer" in args or pushed):
-                raise RuntimeError(f"host {host} cannot read model.path={model_path!r} and no weights would reach it: "
-                                   f"put the checkpoint there, or start the job with a model to push")
-            model_path = tempfile.mkdtemp(prefix="riptide-model-")
-            for name, data in files.items():
-                (Path(model_path) / name).write_bytes(data)
             if "--weights-from-peer" not in args:
                 args = args + ["--no-weights"]
         port = free_port(host)
         self.server = ServerProcess(model_path, port=port, host=host, args=args + ["--weight-sync-host", host],
-                                    log_path=log_dir / f"server-{port}.log", api_key=api_key)
+                                    log_path=server_log_dir() / f"server-{port}.log", api_key=api_key)
         self.server.start(timeout=timeout_s, cold_ok="--no-weights" in args)
         return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
                 "pid": self.server.proc.pid, "cold": cold}
@@ -87,35 +101,24 @@ class ServerActor:
         engine there too. It starts without weights when this host cannot read `model_path` (the
         checkpoint's config and tokenizer come in `files`; the trainer's push brings the weights) or
         when `peer` gives them (its push_to, once this one is up)."""
-        import httpx
         host = host or ray.util.get_node_ip_address()
-        log_dir = Path(tempfile.gettempdir()) / "riptide-ray-servers"
-        log_dir.mkdir(exist_ok=True)
-        readable = (Path(model_path) / "config.json").is_file()
-        if not readable:
-            if not files or not (peer or pushed):
-                raise RuntimeError(f"host {host} cannot read model.path={model_path!r} and no weights would reach it: "
-                                   f"put the checkpoint there, or start the job with a model to push")
-            model_path = tempfile.mkdtemp(prefix="riptide-model-")
-            for name, data in files.items():
-                (Path(model_path) / name).write_bytes(data)
+        model_path, cold = model_here(model_path, files, host, bool(peer) or pushed)
         port = free_port(host)
         self.server = VllmProcess(model_path, python=server.vllm_interpreter(), version=version,
                                   max_num_seqs=server.max_running_requests, max_model_len=server.context_length,
-                                  dtype=server.dtype, seed=seed, no_weights=bool(peer) or not readable,
+                                  dtype=server.dtype, seed=seed, no_weights=bool(peer) or cold,
                                   args=list(server.vllm_args), port=port, host=host,
-                                  env={"RIPTIDE_MOONCAKE_HOST": host}, log_path=log_dir / f"vllm-{port}.log",
+                                  env={"RIPTIDE_MOONCAKE_HOST": host}, log_path=server_log_dir() / f"vllm-{port}.log",
                                   api_key=server.api_key or None)
         self.server.start(timeout=server.start_timeout_s)
         if peer:
-            headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-            r = httpx.post(f"{peer.rstrip('/')}/weight_sync/push_to", json={"receiver_url": self.server.url},
-                           headers=headers, timeout=server.start_timeout_s)
-            if r.status_code != 200:
+            try:
+                take_from_peer(peer, self.server.url, server.api_key or None, server.start_timeout_s)
+            except BaseException:
                 self.server.kill()
-                raise RuntimeError(f"cold start of {self.server.url} from {peer} failed ({r.status_code}): {r.text[:300]}")
+                raise
         return {"url": self.server.url, "node_id": ray.get_runtime_context().get_node_id(), "host": host,
-                "pid": self.server.proc.pid, "cold": not readable}
+                "pid": self.server.proc.pid, "cold": cold}
 
     def kill(self) -> None:
         self.server.kill()
