@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 import sys
+import time
 
 import uvicorn
 
@@ -18,7 +19,8 @@ from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app
 from inference_server.process import API_KEY_ENV, is_loopback, watch_parent
 from platforms import platform_of
-from weight_sync import routes
+from weight_sync import live_digest, routes
+from weight_sync.audit import AuditLog
 from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
 from weight_sync.transports.mooncake import MooncakeTransport, leave_engines_to_exit
@@ -58,6 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-weights", action="store_true",
                    help="start without reading weights (a host without the checkpoint's weights: --model-path then "
                         "needs only the config and tokenizer) and serve once a push lands, e.g. the trainer's first")
+    p.add_argument("--commit-log", default=None,
+                   help="append a JSON line per weight commit (version, update id, digest of the weights that "
+                        "serve, when) and one for weights loaded at start, to this file (a directory: "
+                        "commits-PORT.jsonl in it): the record an audit reads")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers, so a killed one leaves no server)")
     p.add_argument("--log-level", default="warning")
@@ -129,11 +135,20 @@ def main(argv: list[str] | None = None) -> None:
     def make_transport() -> MooncakeTransport:
         platform.before_transport(engine.device)
         return MooncakeTransport(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)
+    self_url = f"http://{a.host}:{a.port}"
+    commit_log = None
+    if a.commit_log:     # a directory: a file of this server's own there
+        path = os.path.join(a.commit_log, f"commits-{a.port}.jsonl") if os.path.isdir(a.commit_log) else a.commit_log
+        commit_log = AuditLog(path)
+    if commit_log is not None and engine.has_weights:
+        port = EnginePort(engine)
+        commit_log.write(kind="load", server=self_url, version=port.version, update_id=None, t_start=time.time(),
+                         t_end=time.time(), digest=live_digest(port.parameters()))
     receiver = Receiver(EnginePort(engine), make_transport, shadow=a.weight_sync_mode == "shadow",
                         peer_status=functools.partial(receiver_status, api_key=a.api_key),
-                        alignment=mooncake.alignment)
+                        alignment=mooncake.alignment, commit_log=commit_log, name=self_url)
     app = create_app(engine, a.model_path, a.host, a.api_key)
-    routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=f"http://{a.host}:{a.port}")
+    routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=self_url)
     leave_engines_to_exit()
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=False, timeout_keep_alive=75)
     # Stopped: the app's shutdown hooks have stopped the engine and closed the receiver. Leave without

@@ -45,6 +45,7 @@ class Generation:
     versions: list[int]
     finish: Finish
     text: str
+    segment: list | None = None      # [server url, wall-clock start, end]: where and when it was generated
 
 
 class ServerClient:

@@ -40,7 +40,7 @@ class RolloutContext:
             if gen is None:                          # the server failed: go on elsewhere
                 self.server = None
                 continue
-            sample.append_generated(gen.output_ids, gen.logprobs, gen.versions)
+            sample.append_generated(gen.output_ids, gen.logprobs, gen.versions, gen.segment)
             made += len(gen.output_ids)
             metrics.tokens_generated += len(gen.output_ids)
             self.server = client

@@ -65,6 +65,7 @@ class RolloutManager:
         self.stopping = False
         self.fatal: Exception | None = None          # an error every request would hit: stop and say it
         self._filtered = 0                           # filter drops since the last batch went out
+        self.dropped: list[str] = []                 # "group_id:reason" of every group dropped for good
         self._failed_streak = 0                      # failed groups since the last one that succeeded
         self._producer: asyncio.Task | None = None
         self._watcher: asyncio.Task | None = None
@@ -233,6 +234,8 @@ class RolloutManager:
                 for s in group.samples:
                     s.reset()
                 self.resume.append(group)
+                return
+        self.dropped.append(f"{group.group_id}:{getattr(reason, 'value', reason)}")
 
     def admit(self, sample: Sample) -> None:
         """Before every request of a trajectory: the manager still runs, and the sample's group
@@ -341,13 +344,14 @@ class RolloutManager:
         """Call after stop(): every unconsumed group, partial ones included, and the data position."""
         groups = [*self.ready, *self.resume, *self.running.values()]
         return {"trainer_version": self.trainer_version, "consumed_groups": self.consumed_groups,
-                "data": self.data.state_dict(), "metrics": self.metrics.snapshot(),
+                "data": self.data.state_dict(), "metrics": self.metrics.snapshot(), "dropped": list(self.dropped),
                 "groups": [{"group_id": g.group_id, "data_index": g.data_index, "retries": g.retries,
                             "samples": [s.to_dict() for s in g.samples]} for g in groups]}
 
     def load_state_dict(self, state: dict) -> None:
         self.trainer_version, self.consumed_groups = state["trainer_version"], state["consumed_groups"]
         self.data.load_state_dict(state["data"])
+        self.dropped = list(state.get("dropped", []))
         for g in state["groups"]:
             group = Group(g["group_id"], [Sample.from_dict(s) for s in g["samples"]], g["data_index"],
                           g.get("retries", 0))

@@ -66,6 +66,7 @@ class Requests:
                 await self.router.wait_for_server(self.cfg.request_timeout_s)
                 return None, None
             rid, started, version = f"{sample.uid}-{next(self._ids)}", time.monotonic(), self.trainer_version()
+            wall = time.time()
             self.inflight[rid] = InFlightRequest(sample, client, started, params["max_new_tokens"], version)
             sample.status = SampleStatus.RUNNING
             try:
@@ -77,6 +78,7 @@ class Requests:
                 return await self._failed(sample, client, e), client
             finally:
                 del self.inflight[rid]
+        gen.segment = [client.url, wall, time.time()]
         self._observe_rate(len(gen.output_ids), time.monotonic() - started)
         self.metrics.tokens_by_server[client.url] += len(gen.output_ids)
         return gen, client

@@ -55,12 +55,18 @@ class Sample:
     uid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     num_aborts: int = 0                         # times a request for it was aborted and resumed
     num_retries: int = 0                        # times a failed request was moved to another server
+    segments: list = field(default_factory=list)  # [server url, wall start, wall end, tokens] per request
 
     # ---- appending ------------------------------------------------------------------------------
-    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def append_generated(self, ids: list[int], logprobs: list[float], versions: list[int],
+                         segment: list | None = None) -> None:
+        """`segment`: [server url, wall-clock start, end] of the request that generated them (kept
+        with the token count, for an audit of which weights served which tokens)."""
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"sample {self.uid}: {len(ids)} tokens, {len(logprobs)} logprobs, "
                              f"{len(versions)} versions")
+        if segment is not None and ids:
+            self.segments.append([*segment, len(ids)])
         self.response_ids += ids
         self.logprobs += logprobs
         self.versions += versions
@@ -95,6 +101,7 @@ class Sample:
     def reset(self) -> None:
         """Drop the response (to regenerate it from the prompt)."""
         self.response_ids, self.logprobs, self.versions, self.loss_mask = [], [], [], []
+        self.segments = []
         self.response_text, self.reward, self.error = "", None, None
         self.status = SampleStatus.PENDING
 

@@ -150,17 +150,24 @@ class RolloutBackend:
                 self.cfg.server, api_key=secrets.token_urlsafe(32)))
             self.fleet.server = self.cfg.server
         first = version - 1 if model is not None else version
-        self.servers = list(self.cfg.server.urls) or self.fleet.launch(self.cfg.server.num_servers, first,
-                                                                        pushed=model is not None)
+        n = self.cfg.server.num_servers
+        # A server that dies while the fleet starts is left out, and replaced once the job runs.
+        self.servers = list(self.cfg.server.urls) or self.fleet.launch(n, first, pushed=model is not None,
+                                                                        at_least=1)
+        short = 0 if self.cfg.server.urls else n - len(self.servers)
         ws = self.cfg.weight_sync
         self.sync = WeightSync(self.servers, bucket_bytes=ws.bucket_mb << 20, num_slots=ws.num_slots,
                                timeout_s=ws.timeout_s, min_fraction=ws.min_fraction,
                                api_key=self.cfg.server.api_key or None, topology=ws.topology, fan_out=ws.fan_out,
                                host=self.fleet.host, protocol=ws.protocol, device_name=ws.device_name,
-                               delta=ws.delta)
+                               delta=ws.delta, audit_log=self._push_log())
         if model is not None:
             self._push(model, version)
         self.version = version
+        if short and self.cfg.cluster.replace_evicted:
+            log.warning("%d of %d servers did not start: replacements start", short, n)
+            for _ in range(short):
+                self._start_replacement(time.monotonic())
         self.rollout.start(RolloutSpec(
             self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
             self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version,
@@ -294,10 +301,12 @@ class RolloutBackend:
         self.stats.evictions += 1
         self.stats.last_eviction_at = time.time()
         if replace and self.servers:
-            since = time.monotonic()
-            worker = threading.Thread(target=self._replace, args=(since,), name="fleet-replace", daemon=True)
-            self._workers.append(worker)
-            worker.start()
+            self._start_replacement(time.monotonic())
+
+    def _start_replacement(self, since: float) -> None:
+        worker = threading.Thread(target=self._replace, args=(since,), name="fleet-replace", daemon=True)
+        self._workers.append(worker)
+        worker.start()
 
     def _evict_down(self) -> None:
         """Servers the router has marked down (no answer, or no progress, for progress_timeout_s:
@@ -339,6 +348,13 @@ class RolloutBackend:
 
     def _dead(self, url: str) -> bool:
         return self._version_of(url) is None
+
+    def _push_log(self):
+        """weight_sync.audit: the record of every push started (weight_sync/audit.py)."""
+        if not (self.cfg.weight_sync.audit and self.cfg.log_dir):
+            return None
+        from weight_sync.audit import AuditLog
+        return AuditLog(f"{self.cfg.log_dir}/pushes.jsonl")
 
     def _make_fleet(self):
         c = self.cfg

@@ -176,6 +176,11 @@ class WeightSyncConfig:
     delta: bool = f(False, "send each push after the first as the weights that changed, to every server that "
                            "serves the trainer's last push exactly (the rest get the whole weights); costs one copy "
                            "of the model in the servers' dtype on the trainer")
+    audit: bool = f(False, "keep the records an audit of the run reads (bench/chaos.py): every push the trainer "
+                           "starts (run_dir/logs/pushes.jsonl), every commit of each server (commits-PORT.jsonl in "
+                           "run_dir/logs; local fleets of the embedded server), every trained sample's token "
+                           "versions and where they were generated (run_dir/trained.jsonl); costs a digest of "
+                           "the weights per push on the trainer and per commit on each server")
 
     def problems(self) -> list[str]:
         out = failed([

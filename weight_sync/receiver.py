@@ -41,6 +41,7 @@ import torch
 
 from platforms import platform_of
 from weight_sync import live_digest
+from weight_sync.audit import AuditLog
 from weight_sync.bucket import Bucket, TensorSpec, host_buffer, is_parts_digest, plan_buckets, unpack_verified
 from weight_sync.delta import DeltaError, restore, unpack_delta, unpack_parts
 from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, Encoding, ErrorKind,
@@ -101,9 +102,12 @@ class _Update:
 
 class Receiver:
     def __init__(self, engine: ServingEngine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
-                 peer_status: Callable[[str], dict] | None = None, alignment: int = 1):
+                 peer_status: Callable[[str], dict] | None = None, alignment: int = 1,
+                 commit_log: AuditLog | None = None, name: str = ""):
         """`make_transport()` starts the transport at the first update; `alignment`: what its
-        registrations must be multiples of (Mooncake's ascend_direct: 2 MiB)."""
+        registrations must be multiples of (Mooncake's ascend_direct: 2 MiB). `commit_log`: a
+        record of every commit (weight_sync/audit.py), this server named `name` in it."""
+        self.commit_log, self.name = commit_log, name
         self.engine = engine
         self.alignment = alignment
         self._weights_device: torch.device | None = None
@@ -236,6 +240,7 @@ class Receiver:
             if update.stage is not Stage.PREPARED:
                 raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared ({update.stage.value})")
             aborted = self.engine.abort_all() if req.inflight is InFlight.ABORT else 0
+            t_start = time.time()
             if self.shadow:
                 old = self.engine.parameters()
                 stall = self.engine.swap(update.targets, req.version)
@@ -248,6 +253,11 @@ class Receiver:
             self._committed.append(req.update_id)
             self._live = (req.update_id, req.version, self._address())
             self._end(update, Stage.COMMITTED)
+            if self.commit_log is not None:
+                t_end = time.time()
+                self.commit_log.write(kind="commit", server=self.name, version=req.version,
+                                      update_id=req.update_id, t_start=t_start, t_end=t_end,
+                                      digest=live_digest(self.engine.parameters()))
             return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
 
     def abort(self, ref: UpdateRef) -> None:

@@ -125,7 +125,7 @@ class WeightSync:
                  num_slots: int = 2, timeout_s: float = 30.0, min_fraction: float = 1.0, max_retries: int = 2,
                  api_key: str | None = None, topology: str = "star", fan_out: int = AUTO,
                  host: str | None = None, protocol: str = "auto", device_name: str = "", delta: bool = False,
-                 zero_copy: bool = True):
+                 zero_copy: bool = True, audit_log=None):
         """`receivers`: server URLs (or receiver clients). `min_fraction`: the share of them that must
         stay in an update for it to commit (1.0: all). `topology`: star | chain | tree (fan_out; AUTO: chosen per push).
         Without a `transport`, a Mooncake engine on `host` (default: this machine's address toward
@@ -135,7 +135,8 @@ class WeightSync:
         push as the bytes that changed to every receiver that still serves exactly that push (the
         others, and any bucket whose delta would not pay, go whole; delta.py). `zero_copy`: host tensors
         are registered with the transport and written from where they lie (off: copied into local
-        slots first, for a transport that must register nothing but buffers of its own)."""
+        slots first, for a transport that must register nothing but buffers of its own). `audit_log`: an
+        AuditLog (weight_sync/audit.py) that gets a line per push started, before anything is sent."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not 0.0 <= min_fraction <= 1.0:
@@ -167,6 +168,7 @@ class WeightSync:
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
         self.base = DeltaBase() if delta else None
+        self.audit_log = audit_log
 
     def _client(self, receiver):
         return HttpReceiverClient(receiver, self.timeout_s, self.api_key) if isinstance(receiver, str) else receiver
@@ -265,6 +267,9 @@ class WeightSync:
         peers = self._peers = [_Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
+            if self.audit_log is not None:
+                self.audit_log.write(kind="push", version=version, update_id=ref.update_id, t=time.time(),
+                                     digest=digest_as(specs) if digest_as is not None else None)
             self._check_current(peers, version, digest_as)
             staging = [p for p in peers if p.staging]
             if staging:

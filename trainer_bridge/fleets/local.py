@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 class Fleet(Protocol):
     host: str                    # the trainer's routable address (its weight sender binds it)
 
-    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False,
+               at_least: int | None = None) -> list[str]:
         """Start n servers and return their URLs once they serve: with `peer`, each pulls that live
         server's weights (cold start), else loads the checkpoint as `version`. `pushed`: the caller
-        pushes weights next, so a server on a host without the checkpoint may start without them."""
+        pushes weights next, so a server on a host without the checkpoint may start without them.
+        `at_least`: a fleet that can may come up with fewer (default: all n, or none)."""
 
     def loopback(self) -> bool:
         """Every server it starts listens on loopback (no token needed there)."""
@@ -38,7 +40,8 @@ class Fleet(Protocol):
 
 
 def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, version: int,
-                peer: str | None, share: int) -> list[str]:
+                peer: str | None, share: int, log_dir: str | Path | None = None) -> list[str]:
+    """`log_dir`: where the servers keep their commit records under weight_sync.audit."""
     args = ["--max-running-requests", str(server.max_running_requests), "--context-length",
             str(server.context_length), "--device", server.device, "--dtype", server.dtype, "--seed", str(seed),
             "--weight-version", str(version), "--weight-sync-protocol", weight_sync.protocol]
@@ -46,6 +49,8 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
         args += ["--weight-sync-device", weight_sync.device_name]
     if peer:
         args += ["--weights-from-peer", peer]
+    if weight_sync.audit and log_dir is not None:
+        args += ["--commit-log", str(log_dir)]
     return args + cpu_share_args(share)
 
 
@@ -107,18 +112,22 @@ class LocalFleet:
         self.procs: dict[str, ServerProcess] = {}
         self._started = itertools.count()
 
-    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False,
+               at_least: int | None = None) -> list[str]:
+        """Start n servers; their URLs. `at_least`: fewer may come up (one that dies while it starts is
+        left out, named in the log); fewer than that, and none is kept (the error says why)."""
         if self.server.engine == "vllm":
-            return self._launch_vllm(n, version, peer)
-        args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers)
+            return self._launch_vllm(n, version, peer, at_least)
+        args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers,
+                           self.log_dir)
         procs = []
         for _ in range(n):
             i = next(self._started)
             procs.append(ServerProcess(self.model_path, args=args, log_path=self.log_dir / f"server-{i}.log",
                                        env=device_env(self.server.device, i), api_key=self.server.api_key or None))
-        return self._start(procs)
+        return self._start(procs, at_least)
 
-    def _launch_vllm(self, n: int, version: int, peer: str | None) -> list[str]:
+    def _launch_vllm(self, n: int, version: int, peer: str | None, at_least: int | None = None) -> list[str]:
         """Stock vLLM servers (inference_server.process.VllmProcess) from the checkpoint, labelled
         `version`; with `peer`, each starts without weights (no disk read) and takes that live
         server's (its push_to), as a cold start does, serving the peer's version."""
@@ -132,7 +141,8 @@ class LocalFleet:
                                      log_path=self.log_dir / f"vllm-{i}.log",
                                      env={**device_env(s.device, i), **vllm_cpu_env(s, i)},
                                      api_key=s.api_key or None))
-        urls = self._start(procs)
+        urls = self._start(procs, at_least)
+        procs = [p for p in procs if p.url in urls]
         if peer:
             try:
                 for url in urls:
@@ -142,17 +152,27 @@ class LocalFleet:
                 raise
         return urls
 
-    def _start(self, procs: list[ServerProcess]) -> list[str]:
+    def _start(self, procs: list[ServerProcess], at_least: int | None = None) -> list[str]:
+        up, failed = [], []
         try:
             for p in procs:
                 p.spawn()
             for p in procs:
-                p.wait_ready(self.server.start_timeout_s)
+                try:
+                    p.wait_ready(self.server.start_timeout_s)
+                    up.append(p)
+                except (RuntimeError, TimeoutError) as e:
+                    failed.append((p, e))
+            if failed and len(up) < (len(procs) if at_least is None else at_least):
+                raise failed[0][1]
         except BaseException:
             _stop_all(procs)
             raise
-        self.procs.update({p.url: p for p in procs})
-        return [p.url for p in procs]
+        for p, e in failed:
+            log.warning("a server did not start and is left out: %s", e)
+            p.stop()
+        self.procs.update({p.url: p for p in up})
+        return [p.url for p in up]
 
     def loopback(self) -> bool:
         return True

@@ -189,7 +189,9 @@ class RayFleet:
         self.host = node_address()
         self.replicas: dict[str, tuple] = {}      # url -> (actor, placement group, info)
 
-    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False) -> list[str]:
+    def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False,
+               at_least: int | None = None) -> list[str]:
+        """`at_least` is not taken here: a Ray fleet starts all n servers or none."""
         bundle = server_bundle(self.server.device, self.cluster.server_cpus, self.cluster.tensor_parallel)
         groups = [placement_group([bundle], strategy="STRICT_PACK") for _ in range(n)]
         actors = []

@@ -46,11 +46,17 @@ def wandb_mode(cfg: LoggerConfig) -> str:
 
 
 class Monitor:
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0):
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0,
+                 audit: bool = False):
+        """`audit` (weight_sync.audit): every trained sample also goes to trained.jsonl, a line per step."""
         self.cfg, self.run_dir, self.config = cfg, Path(run_dir), config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_steps(first_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.trained = None
+        if audit:
+            _keep_steps_before(self.run_dir / "trained.jsonl", first_step)
+            self.trained = open(self.run_dir / "trained.jsonl", "a")
         self.run = None
         mode = wandb_mode(cfg)
         if mode != "disabled":
@@ -67,14 +73,7 @@ class Monitor:
     def _earlier_steps(self, first_step: int) -> list[dict]:
         """A resumed run keeps the steps before its checkpoint (its curve is the whole run's) and
         drops the ones logged after it, which it is about to run again."""
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [r for r in records if r.get("step", 0) < first_step]
-        if len(kept) != len(records):
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        return kept
+        return _keep_steps_before(self.run_dir / "metrics.jsonl", first_step)
 
     def warn(self, message: str) -> None:
         """Loud: on the console above the progress bar and in wandb's summary (the warn/* metrics
@@ -113,6 +112,9 @@ class Monitor:
         self.history.append(record)
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
+        if self.trained is not None:
+            self.trained.write(json.dumps({"step": step, "samples": [trained_record(s) for s in samples or []]}) + "\n")
+            self.trained.flush()
         if self.run is not None:
             import wandb
             payload = dict(flat)
@@ -137,6 +139,8 @@ class Monitor:
             self.bar.close()
         plot = self.plot()
         self.jsonl.close()
+        if self.trained is not None:
+            self.trained.close()
         if self.run is not None:
             self.run.finish()
         return plot
@@ -185,6 +189,39 @@ class Monitor:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return str(path)
+
+
+def _keep_steps_before(path: Path, first_step: int) -> list[dict]:
+    """The records of a per-step JSON-lines file before `first_step` (a resumed run runs the later
+    ones again); the file is cut to them. A torn last line (a killed run) is dropped."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    kept = [r for r in records if r.get("step", 0) < first_step]
+    if len(kept) != len(records) or (text and not text.endswith("\n")):
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return kept
+
+
+def trained_record(sample) -> dict:
+    """What an audit needs of a trained sample: which prompt draw it is (its group), the weight
+    version of each generated token (as runs: [version, count]) and where and when its requests ran."""
+    runs: list[list[int]] = []
+    for v, m in zip(sample.versions, sample.loss_mask):
+        if not m:
+            continue
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, 1])
+    return {"group": sample.group_id, "index": sample.index, "uid": sample.uid, "versions": runs,
+            "segments": sample.segments}
 
 
 def _import_pyplot() -> None:

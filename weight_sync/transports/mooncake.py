@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import time
 from urllib.parse import urlparse
@@ -53,6 +54,12 @@ class MooncakeTransport(Transport):
             raise TransportError(f"Mooncake failed to start on {host} (protocol={protocol!r}, device_name={device_name!r})")
         self._session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, torch.Tensor] = {}  # keeps registered memory alive
+        # Fault injection for bench/chaos.py: with RIPTIDE_FAULTS_DIR set, a file `corrupt-write` there
+        # makes the next write land one wrong byte in the middle of what it wrote (the file is taken:
+        # one fault per file), as corruption on the wire would. Unset (always, outside that bench): no check.
+        faults = os.environ.get("RIPTIDE_FAULTS_DIR")
+        self._corrupt_trigger = os.path.join(faults, "corrupt-write") if faults else None
+        self._junk: torch.Tensor | None = None
 
     @property
     def session_id(self) -> str:
@@ -82,6 +89,18 @@ class MooncakeTransport(Transport):
                 # Abandoned batches stay in the engine until the peer answers, dies, or close().
                 raise TransportError(f"write to {peer_session} timed out after {timeout_s}s ({len(pending)}/{len(ops)} ops unfinished)")
             time.sleep(_POLL_S)
+        if self._corrupt_trigger is not None and ops:
+            self._maybe_corrupt(peer_session, ops[-1], timeout_s)
+
+    def _maybe_corrupt(self, peer_session: str, op: WriteOp, timeout_s: float) -> None:
+        try:
+            os.rename(self._corrupt_trigger, self._corrupt_trigger + ".taken")   # one writer takes it
+        except OSError:
+            return
+        if self._junk is None:
+            self._junk = torch.full((1,), 0xA5, dtype=torch.uint8)
+            self.register(self._junk)
+        self.write(peer_session, [WriteOp(self._junk.data_ptr(), op.remote_addr + op.length // 2, 1)], timeout_s)
 
     def close(self) -> None:
         for addr in list(self._registered):
