@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=20.0, help="faults land in this window")
     p.add_argument("--steps", type=int, default=None, help="the job's steps (default: about --minutes of them)")
     p.add_argument("--seed", type=int, default=0, help="the job's seed and the fault schedule's: a failure replays")
-    p.add_argument("--mean-gap", type=float, default=25.0, help="mean seconds between faults")
+    p.add_argument("--mean-gap", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from")
     p.add_argument("--servers", type=int, default=2)
     p.add_argument("--run-dir", default=None, help="default: a new temporary directory (kept, named in the output)")

@@ -63,13 +63,20 @@ class Timeline:
 
 
 def audit(run_dir: str | Path, group_size: int, steps: int) -> dict:
+    """The checks above over the run in `run_dir`: counts (each 0 when all holds), figures, and the
+    problems found, each in a line."""
     run_dir = Path(run_dir)
-    out: dict = {"problems": []}
-    problems = out["problems"]
-
-    # ---- samples: drawn, trained, dropped, held -----------------------------------------------------
-    metrics = {r["step"]: r for r in _lines(run_dir / "metrics.jsonl")}
+    problems: list[str] = []
     trained_steps = {r["step"]: r["samples"] for r in _lines(run_dir / "trained.jsonl")}
+    out = {**_samples(run_dir, trained_steps, group_size, problems),
+           **_weights(run_dir, trained_steps, problems),
+           **_job(run_dir, trained_steps, steps, problems)}
+    out["problems"] = problems
+    return out
+
+
+def _samples(run_dir: Path, trained_steps: dict, group_size: int, problems: list[str]) -> dict:
+    """Every prompt drawn: trained exactly once, dropped with a reason, or held in the last checkpoint."""
     ckpt = latest_checkpoint(run_dir)
     state = json.loads((ckpt / "rollout_state.json").read_text()) if ckpt is not None else None
     trained = collections.Counter()
@@ -106,69 +113,72 @@ def audit(run_dir: str | Path, group_size: int, steps: int) -> dict:
     undrawn = sorted(g for g in trained_groups | set(dropped) | held if g not in drawn)
     if undrawn:
         problems.append(f"groups past the data position: {undrawn[:5]}")
-    out.update(samples_drawn=len(drawn) * group_size, samples_trained=sum(trained.values()),
-               groups_dropped=collections.Counter(dropped.values()), groups_held=len(held),
-               samples_lost=lost, samples_duplicated=duplicated, samples_undrawn=len(undrawn) * group_size)
+    return {"samples_drawn": len(drawn) * group_size, "samples_trained": sum(trained.values()),
+            "groups_dropped": dict(collections.Counter(dropped.values())), "groups_held": len(held),
+            "samples_lost": lost, "samples_duplicated": duplicated, "samples_undrawn": len(undrawn) * group_size}
 
-    # ---- weights: pushed, committed, served ------------------------------------------------------------
-    pushes = read_records(str(run_dir / "logs" / "pushes.jsonl")) if (run_dir / "logs" / "pushes.jsonl").exists() else []
-    by_update = {p["update_id"]: p for p in pushes}
-    by_version = collections.defaultdict(list)
-    for p in sorted(pushes, key=lambda p: p["t"]):
-        by_version[p["version"]].append(p)
+
+class Pushes:
+    """The trainer's pushes (logs/pushes.jsonl), by update and by version."""
+
+    def __init__(self, path: Path):
+        self.records = read_records(str(path)) if path.exists() else []
+        self.by_update = {p["update_id"]: p for p in self.records}
+        self.by_version = collections.defaultdict(list)
+        for p in sorted(self.records, key=lambda p: p["t"]):
+            self.by_version[p["version"]].append(p)
+
+    def source(self, version: int, at: float, update_id: str | None) -> dict | None:
+        """The trainer's push weights served as `version` came from: the same update, or (a copy
+        a live server pushed to a new one) the trainer's last push of that version before `at`."""
+        if update_id in self.by_update and self.by_update[update_id]["version"] == version:
+            return self.by_update[update_id]
+        earlier = [p for p in self.by_version.get(version, []) if p["t"] <= at]
+        return earlier[-1] if earlier else None
+
+
+def _weights(run_dir: Path, trained_steps: dict, problems: list[str]) -> dict:
+    """Every version served came from a trainer's push with its digest; every trained token's
+    version was its server's while its request ran."""
+    pushes = Pushes(run_dir / "logs" / "pushes.jsonl")
     server_records = collections.defaultdict(list)
     for path in glob.glob(str(run_dir / "logs" / "commits-*.jsonl")):
         for r in read_records(path):
             server_records[r["server"]].append(r)
     timelines = {url: Timeline(rs) for url, rs in server_records.items()}
-
-    def trainer_push(version: int, at: float, update_id: str | None) -> dict | None:
-        """The trainer's push these weights came from: the same update, or (a copy a live server
-        pushed to a new one) the trainer's last push of that version before `at`."""
-        if update_id in by_update and by_update[update_id]["version"] == version:
-            return by_update[update_id]
-        earlier = [p for p in by_version.get(version, []) if p["t"] <= at]
-        return earlier[-1] if earlier else None
-
-    uncommitted, mismatches, checked = set(), 0, set()
+    uncommitted, mismatches, checked = set(), [0], set()
 
     def check(url: str, r: dict) -> None:
-        nonlocal mismatches
-        key = (url, r["t_start"])
-        if key in checked:
+        if (url, r["t_start"]) in checked:
             return
-        checked.add(key)
-        push = trainer_push(r["version"], r["t_end"], r.get("update_id"))
+        checked.add((url, r["t_start"]))
+        push = pushes.source(r["version"], r["t_end"], r.get("update_id"))
         if push is None:
             uncommitted.add((url, r["version"], r["t_start"]))
             problems.append(f"{url} served version {r['version']} ({r['kind']} at {r['t_start']:.3f}), which the "
                             f"trainer never pushed")
         elif push["digest"] is not None and push["digest"] != r["digest"]:
-            mismatches += 1
+            mismatches[0] += 1
             problems.append(f"{url} served version {r['version']} with digest {r['digest']}, the trainer's is "
                             f"{push['digest']} (update {push['update_id']})")
 
-    commits = 0
-    for url, rs in server_records.items():
-        for r in rs:
-            if r["kind"] == "commit":       # serving from then on
-                commits += 1
-                check(url, r)
+    commits = [(url, r) for url, rs in server_records.items() for r in rs if r["kind"] == "commit"]
+    for url, r in commits:                  # a commit serves from then on
+        check(url, r)
     off, tokens = 0, 0
     for step in sorted(trained_steps):
         for s in trained_steps[step]:
             versions = [v for v, n in s["versions"] for _ in range(n)]
             at = 0
             for url, t0, t1, n in s["segments"]:
-                tl = timelines.get(url)
-                for v in set(versions[at:at + n]):
-                    count = versions[at:at + n].count(v)
-                    tokens += count
-                    r = tl.served_during(v, t0, t1) if tl is not None else None
+                part = versions[at:at + n]
+                for v in set(part):
+                    tokens += part.count(v)
+                    r = timelines[url].served_during(v, t0, t1) if url in timelines else None
                     if r is None:
-                        off += count
-                        problems.append(f"sample {s['uid']} (step {step}): {count} tokens of version {v} from {url} "
-                                        f"in [{t0:.3f}, {t1:.3f}], when it did not serve that version")
+                        off += part.count(v)
+                        problems.append(f"sample {s['uid']} (step {step}): {part.count(v)} tokens of version {v} "
+                                        f"from {url} in [{t0:.3f}, {t1:.3f}], when it did not serve that version")
                     elif r["kind"] == "load":        # served from the disk's weights: must be the trainer's
                         check(url, r)
                 at += n
@@ -176,21 +186,24 @@ def audit(run_dir: str | Path, group_size: int, steps: int) -> dict:
                 off += abs(len(versions) - at)
                 problems.append(f"sample {s['uid']} (step {step}): {len(versions)} generated tokens, its requests "
                                 f"account for {at}")
-    out.update(pushes=len(pushes), commits=commits, servers=len(server_records), tokens_checked=tokens,
-               served_uncommitted=len(uncommitted), digest_mismatches=mismatches, tokens_off_timeline=off)
+    return {"pushes": len(pushes.records), "commits": len(commits), "servers": len(server_records),
+            "tokens_checked": tokens, "served_uncommitted": len(uncommitted), "digest_mismatches": mismatches[0],
+            "tokens_off_timeline": off}
 
-    # ---- the job ---------------------------------------------------------------------------------------
+
+def _job(run_dir: Path, trained_steps: dict, steps: int, problems: list[str]) -> dict:
+    """The steps completed, each with its trained record, and the reward's first and last fifth."""
+    metrics = {r["step"]: r for r in _lines(run_dir / "metrics.jsonl")}
     done = 0
     while done in metrics:
         done += 1
     rewards = [metrics[i]["reward/mean"] for i in range(done)]
     k = max(1, done // 5)
-    out.update(steps_completed=done, steps_asked=steps,
-               reward_first_fifth=round(sum(rewards[:k]) / k, 4) if rewards else None,
-               reward_last_fifth=round(sum(rewards[-k:]) / k, 4) if rewards else None)
     if done < steps:
         problems.append(f"the job completed {done} of {steps} steps")
-    missing_trained = [i for i in range(done) if i not in trained_steps]
-    if missing_trained:
-        problems.append(f"steps without a trained record: {missing_trained[:5]}")
-    return out
+    missing = [i for i in range(done) if i not in trained_steps]
+    if missing:
+        problems.append(f"steps without a trained record: {missing[:5]}")
+    return {"steps_completed": done, "steps_asked": steps,
+            "reward_first_fifth": round(sum(rewards[:k]) / k, 4) if rewards else None,
+            "reward_last_fifth": round(sum(rewards[-k:]) / k, 4) if rewards else None}

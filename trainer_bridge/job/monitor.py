@@ -46,15 +46,15 @@ def wandb_mode(cfg: LoggerConfig) -> str:
 
 
 class Monitor:
-    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0,
-                 audit: bool = False):
-        """`audit` (weight_sync.audit): every trained sample also goes to trained.jsonl, a line per step."""
+    def __init__(self, cfg: LoggerConfig, run_dir: Path, config: dict, total_steps: int, first_step: int = 0):
+        """`config`: the job's, as a dict; with its weight_sync.audit, every trained sample also goes
+        to trained.jsonl, a line per step."""
         self.cfg, self.run_dir, self.config = cfg, Path(run_dir), config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_steps(first_step)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.trained = None
-        if audit:
+        if isinstance(config, dict) and config.get("weight_sync", {}).get("audit"):
             _keep_steps_before(self.run_dir / "trained.jsonl", first_step)
             self.trained = open(self.run_dir / "trained.jsonl", "a")
         self.run = None

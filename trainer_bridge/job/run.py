@@ -195,8 +195,7 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
         saved_step = step
         return path
 
-    monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step,
-                      audit=job.weight_sync.audit)
+    monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
     watch, warm = Watch(monitor), KlWarmup(job, monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
     try:
