@@ -69,8 +69,10 @@ serve-demo: setup
 
 bench: setup
 	@# bench/vs_vllm.py and bench/vllm_sync.py are left out: they install vLLM the first time (run them by hand)
+	@# bench/chaos.py runs 20 minutes a seed by default: 2 here
 	@for b in bench/[a-z]*.py; do case $$b in bench/vs_vllm.py|bench/vllm_sync.py) continue;; esac; \
-		echo "== $$b"; $(PY) $$b || exit 1; done
+		args=""; [ $$b = bench/chaos.py ] && args="--minutes 2"; \
+		echo "== $$b $$args"; $(PY) $$b $$args || exit 1; done
 
 clean:
 	rm -rf .venv build *.egg-info

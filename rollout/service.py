@@ -193,15 +193,23 @@ class LocalRollout:
                 if not self._conn.poll(timeout_s):
                     raise TimeoutError(f"the rollout process did not answer {method} within {timeout_s}s")
                 ok, value = self._conn.recv()
-            except EOFError:
+            except (EOFError, BrokenPipeError, ConnectionResetError):
                 self._broken = True
-                raise RuntimeError(f"the rollout process died (exit code {self._proc.poll()})") from None
+                raise RuntimeError(f"the rollout process died (exit code {self._died()}) during {method}: "
+                                   f"its groups in flight are in the last checkpoint; resume from it "
+                                   f"(trainer.resume=latest)") from None
             except BaseException:                # a timeout or Ctrl-C mid-message: answers are out of step now
                 self._broken = True
                 raise
         if not ok:
             raise RuntimeError(value)
         return value
+
+    def _died(self) -> int | None:
+        try:
+            return self._proc.wait(5)          # the socket can close a moment before the exit is seen
+        except subprocess.TimeoutExpired:
+            return None
 
     def close(self, timeout_s: float = 30.0) -> None:
         if self._proc.poll() is None and self._started and not self._broken:

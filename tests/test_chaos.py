@@ -138,3 +138,17 @@ def test_a_server_that_dies_while_the_job_starts_is_left_out_and_replaced(tmp_pa
         assert backend.stats.replacements == 1
     finally:
         backend.close()
+
+
+def test_a_killed_rollout_process_is_named_when_the_trainer_next_calls_it(tmp_path):
+    """Found by the soak: a SIGKILLed rollout process surfaced as a bare BrokenPipeError."""
+    from rollout.service import LocalRollout
+    host = LocalRollout()
+    try:
+        os.kill(host._proc.pid, signal.SIGKILL)
+        host._proc.wait(30)
+        host._started = True
+        with pytest.raises(RuntimeError, match=r"rollout process died \(exit code -9\) during next_batch"):
+            host.call("next_batch", timeout_s=10)
+    finally:
+        host.close()
