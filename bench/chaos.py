@@ -12,9 +12,11 @@ dropped with a reason or held in the last checkpoint; every version a server ser
 trainer with the trainer's digest; every trained token's version served by its server while its
 request ran; the steps completed; the reward's first and last fifth.
 
-`--minutes` is the window in which faults land (mean gap --mean-gap s); the job's length is
---steps (default: what the machine runs in about that time under faults, ~1.68 steps a second
-here). The last line is the JSON: faults_injected (by kind), samples_lost, samples_duplicated,
+`--minutes` is the window in which faults land (mean gap --mean-gap s). By default the soak is
+time-driven: the job runs with no end while the window is open; when it closes, the trainer is
+SIGTERMed (it checkpoints, as on any SIGTERM) and one last life, without faults, runs it from that
+checkpoint to --tail-steps past it, so the job completes. `--steps N` fixes the job's length
+instead (faults stop at the window's end or the job's, whichever comes first). The last line is the JSON: faults_injected (by kind), samples_lost, samples_duplicated,
 served_uncommitted, digest_mismatches, tokens_off_timeline, steps_completed, reward_first_fifth,
 reward_last_fifth, wall_s, seed, and `ok` (every loss and corruption count 0, the job complete,
 the last fifth's reward above the first's).
@@ -31,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer_bridge.job.chaos import KINDS, Soak, SoakConfig  # noqa: E402
 
-STEPS_PER_S = 1.68      # seed 0 under faults at 3125f4f: 1680 steps in 1000 s
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=20.0, help="faults land in this window")
-    p.add_argument("--steps", type=int, default=None, help="the job's steps (default: about --minutes of them)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="the job's steps (default: as many as --minutes allows, then --tail-steps)")
+    p.add_argument("--tail-steps", type=int, default=50, help="time-driven: steps after the window closes")
     p.add_argument("--seed", type=int, default=0, help="the job's seed and the fault schedule's: a failure replays")
     p.add_argument("--mean-gap", type=float, default=20.0, help="mean seconds between faults")
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds to draw from")
@@ -46,14 +48,13 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="more riptide-train overrides, e.g. rollout.oversample=2")
     a = p.parse_args()
     run_dir = a.run_dir or tempfile.mkdtemp(prefix=f"riptide-chaos-s{a.seed}-")
-    steps = a.steps or int(a.minutes * 60 * STEPS_PER_S)
-    cfg = SoakConfig(run_dir=run_dir, steps=steps, seed=a.seed, fault_window_s=a.minutes * 60,
+    cfg = SoakConfig(run_dir=run_dir, steps=a.steps, tail_steps=a.tail_steps, seed=a.seed, fault_window_s=a.minutes * 60,
                      mean_gap_s=a.mean_gap, kinds=tuple(k for k in a.kinds.split(",") if k), servers=a.servers,
                      overrides=list(a.overrides))
     result = Soak(cfg, log=lambda m: print(m, file=sys.stderr, flush=True)).run()
     counts = ("samples_lost", "samples_duplicated", "samples_undrawn", "served_uncommitted", "digest_mismatches",
               "tokens_off_timeline", "hangs")
-    result["ok"] = (all(result[k] == 0 for k in counts) and result["steps_completed"] == steps
+    result["ok"] = (all(result[k] == 0 for k in counts) and result["steps_completed"] == result["steps_asked"]
                     and (result["reward_last_fifth"] or 0) > (result["reward_first_fifth"] or 0))
     result["run_dir"] = run_dir
     for problem in result.pop("problems"):

@@ -31,19 +31,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer_bridge.config import latest_checkpoint
 from trainer_bridge.job.audit import audit
 
 KINDS = ("server_kill", "server_freeze", "sender_kill", "corrupt_bucket", "trainer_sigterm", "rollout_kill")
 RESTARTING = {"sender_kill", "trainer_sigterm", "rollout_kill"}
 
 
+UNTIL_STOPPED = 10 ** 9        # the job's steps while the fault window is open, in a time-driven soak
+
+
 @dataclass
 class SoakConfig:
     run_dir: str
-    steps: int
+    steps: int | None                    # the job's; None: time-driven (the window's length, then tail_steps)
     seed: int = 0
     fault_window_s: float = 1200.0       # faults start in the first this-many seconds
     mean_gap_s: float = 30.0             # mean time between faults (exponential gaps)
+    max_faults: int | None = None        # no more faults once this many landed (None: the window decides)
+    tail_steps: int = 50                 # time-driven: steps run after the window closes, without faults
     kinds: tuple[str, ...] = KINDS
     servers: int = 2
     timeout_s: float = 10.0              # the job's weight_sync.timeout_s and rollout.progress_timeout_s
@@ -57,13 +63,14 @@ class SoakConfig:
         bad = [k for k in self.kinds if k not in KINDS]
         if bad:
             raise ValueError(f"unknown fault kind(s) {bad}: use {', '.join(KINDS)}")
-        if self.steps < 1 or self.mean_gap_s <= 0:
-            raise ValueError(f"steps={self.steps} and mean_gap_s={self.mean_gap_s} must be > 0")
+        if (self.steps is not None and self.steps < 1) or self.mean_gap_s <= 0 or self.tail_steps < 1:
+            raise ValueError(f"steps={self.steps}, tail_steps={self.tail_steps} and mean_gap_s={self.mean_gap_s} "
+                             f"must be > 0")
 
 
-def job_command(cfg: SoakConfig) -> list[str]:
+def job_command(cfg: SoakConfig, steps: int) -> list[str]:
     return [cfg.python, "-m", "trainer_bridge.train", f"run_dir={cfg.run_dir}", f"seed={cfg.seed}",
-            f"trainer.steps={cfg.steps}", "trainer.resume=auto", f"trainer.checkpoint_every={cfg.checkpoint_every}",
+            f"trainer.steps={steps}", "trainer.resume=auto", f"trainer.checkpoint_every={cfg.checkpoint_every}",
             f"server.num_servers={cfg.servers}", "cluster.replace_evicted=true", "weight_sync.audit=true",
             f"weight_sync.timeout_s={cfg.timeout_s}", f"rollout.progress_timeout_s={cfg.timeout_s}",
             "logger.progress=false", *cfg.overrides]
@@ -136,20 +143,34 @@ class Soak:
 
     # ---- the run -------------------------------------------------------------------------------------
     def run(self) -> dict:
+        """Lives of the job until one completes its steps; then the audit. Time-driven (steps None):
+        the job runs with no end while the window is open; when it closes the trainer is SIGTERMed
+        (it checkpoints) and one more life, without faults, runs from that checkpoint to tail_steps
+        past it, so the job ends complete."""
         self.t0 = time.monotonic()
         self.due = self.t0 + self.rng.expovariate(1 / self.cfg.mean_gap_s)
+        self.steps = self.cfg.steps or UNTIL_STOPPED
         try:
-            while len(self.lives) < self.cfg.max_lives and self._life() != 0:
-                pass
+            while len(self.lives) < self.cfg.max_lives:
+                if self.steps == UNTIL_STOPPED and self._window_closed():
+                    ckpt = latest_checkpoint(self.run_dir)
+                    self.steps = (int(ckpt.name.split("-")[-1]) if ckpt is not None else 0) + self.cfg.tail_steps
+                    self.log(f"{time.monotonic() - self.t0:7.1f}s  fault window closed: the job ends at step "
+                             f"{self.steps}")
+                if self._life() == 0:
+                    break
         finally:
             self._cleanup()
         wall = time.monotonic() - self.t0
         self._count_corruptions()
-        report = audit(self.run_dir, self._group_size(), self.cfg.steps)
+        report = audit(self.run_dir, self._group_size(), self.steps)
         return {"faults_injected": dict(sorted(self.injected.items())), "faults_total": sum(self.injected.values()),
                 "fault_kinds": len(self.injected), **{k: v for k, v in report.items() if k != "problems"},
                 "hangs": self.hangs, "lives": len(self.lives), "wall_s": round(wall, 1), "seed": self.cfg.seed,
                 "problems": report["problems"][:20]}
+
+    def _window_closed(self) -> bool:
+        return time.monotonic() - self.t0 >= self.cfg.fault_window_s
 
     def _life(self) -> int:
         """One run of the job until it exits, faults landing on it meanwhile; its exit code."""
@@ -157,10 +178,10 @@ class Soak:
                "WANDB_SILENT": "true"}
         log_path = self.run_dir / f"life-{len(self.lives):03d}.log"
         with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(job_command(self.cfg), stdout=out, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(job_command(self.cfg, self.steps), stdout=out, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
         started = last_progress = last_scan = time.monotonic()
-        last_step = -1
+        last_step, stopping = -1, False
         while self.proc.poll() is None:
             time.sleep(0.1)
             now = time.monotonic()
@@ -176,8 +197,11 @@ class Soak:
                 self.log(f"hang: no step for {self.cfg.hang_s:.0f}s (life {len(self.lives)}); killing it")
                 self._kill_job()
                 break
+            if self.steps == UNTIL_STOPPED and self._window_closed() and not stopping:
+                self.proc.send_signal(signal.SIGTERM)      # the soak's own stop: not a fault
+                stopping = True
             if now >= self.due:
-                if now - self.t0 < self.cfg.fault_window_s:
+                if not self._window_closed() and not self._enough():
                     self._inject()
                 self.due = now + self.rng.expovariate(1 / self.cfg.mean_gap_s)
         rc = self.proc.wait()
@@ -210,6 +234,11 @@ class Soak:
         elif kind != "corrupt_bucket":          # a corruption counts once a write took it
             self.injected[kind] += 1
         self.log(f"{time.monotonic() - self.t0:7.1f}s  {kind}{'' if done else ' (no target now)'}")
+
+    def _enough(self) -> bool:
+        """max_faults landed (a corruption not yet taken by a write counts: it waits for the next one)."""
+        waiting = (self.faults_dir / "corrupt-write").exists()
+        return self.cfg.max_faults is not None and sum(self.injected.values()) + waiting >= self.cfg.max_faults
 
     def _pick(self, marker: str) -> int | None:
         pids = [p for p in descendants(self.proc.pid, marker) if p not in self.frozen]
