@@ -140,11 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     if a.commit_log:     # a directory: a file of this server's own there
         path = os.path.join(a.commit_log, f"commits-{a.port}.jsonl") if os.path.isdir(a.commit_log) else a.commit_log
         commit_log = AuditLog(path)
+    port = EnginePort(engine)
     if commit_log is not None and engine.has_weights:
-        port = EnginePort(engine)
-        commit_log.write(kind="load", server=self_url, version=port.version, update_id=None, t_start=time.time(),
-                         t_end=time.time(), digest=live_digest(port.parameters()))
-    receiver = Receiver(EnginePort(engine), make_transport, shadow=a.weight_sync_mode == "shadow",
+        now = time.time()
+        commit_log.write(kind="load", server=self_url, version=port.version, update_id=None, t_start=now, t_end=now,
+                         digest=live_digest(port.parameters()))
+    receiver = Receiver(port, make_transport, shadow=a.weight_sync_mode == "shadow",
                         peer_status=functools.partial(receiver_status, api_key=a.api_key),
                         alignment=mooncake.alignment, commit_log=commit_log, name=self_url)
     app = create_app(engine, a.model_path, a.host, a.api_key)

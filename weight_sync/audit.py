@@ -37,11 +37,18 @@ class AuditLog:
                 self._fd = -1
 
 
-def read_records(path: str) -> list[dict]:
-    """Every whole record of an AuditLog file (a torn last line, if any, is left out)."""
+def read_records(path) -> list[dict]:
+    """Every whole record of a JSON-lines file (a line a killed writer left torn is left out; a file
+    not there has none)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
     out = []
-    with open(path) as f:
-        for line in f:
-            if line.endswith("\n"):
-                out.append(json.loads(line))
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return out

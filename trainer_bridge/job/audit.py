@@ -28,18 +28,6 @@ from trainer_bridge.config import latest_checkpoint
 from weight_sync.audit import read_records
 
 
-def _lines(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:       # a torn last line of a killed run
-            continue
-    return out
-
-
 class Timeline:
     """What one server URL served over time: its load and commit records, in order (a port that a
     later server reuses carries on the same timeline, as the two never ran at once)."""
@@ -67,7 +55,7 @@ def audit(run_dir: str | Path, group_size: int, steps: int) -> dict:
     problems found, each in a line."""
     run_dir = Path(run_dir)
     problems: list[str] = []
-    trained_steps = {r["step"]: r["samples"] for r in _lines(run_dir / "trained.jsonl")}
+    trained_steps = {r["step"]: r["samples"] for r in read_records(run_dir / "trained.jsonl")}
     out = {**_samples(run_dir, trained_steps, group_size, problems),
            **_weights(run_dir, trained_steps, problems),
            **_job(run_dir, trained_steps, steps, problems)}
@@ -122,7 +110,7 @@ class Pushes:
     """The trainer's pushes (logs/pushes.jsonl), by update and by version."""
 
     def __init__(self, path: Path):
-        self.records = read_records(str(path)) if path.exists() else []
+        self.records = read_records(path)
         self.by_update = {p["update_id"]: p for p in self.records}
         self.by_version = collections.defaultdict(list)
         for p in sorted(self.records, key=lambda p: p["t"]):
@@ -193,7 +181,7 @@ def _weights(run_dir: Path, trained_steps: dict, problems: list[str]) -> dict:
 
 def _job(run_dir: Path, trained_steps: dict, steps: int, problems: list[str]) -> dict:
     """The steps completed, each with its trained record, and the reward's first and last fifth."""
-    metrics = {r["step"]: r for r in _lines(run_dir / "metrics.jsonl")}
+    metrics = {r["step"]: r for r in read_records(run_dir / "metrics.jsonl")}
     done = 0
     while done in metrics:
         done += 1

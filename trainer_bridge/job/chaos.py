@@ -100,14 +100,16 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def descendants(pid: int, marker: str) -> list[int]:
-    """Processes under `pid` whose command line holds `marker` (not zombies)."""
-    tree, out, todo = _children(), [], [pid]
+def descendants(pid: int, *markers: str) -> dict[int, str]:
+    """Processes under `pid` whose command line holds one of `markers` (not zombies): pid -> that marker."""
+    tree, out, todo = _children(), {}, [pid]
     while todo:
         for child in tree.get(todo.pop(), []):
             todo.append(child)
-            if marker in _cmdline(child):
-                out.append(child)
+            cmd = _cmdline(child)
+            found = next((m for m in markers if m in cmd), None)
+            if found is not None:
+                out[child] = found
     return out
 
 
@@ -137,7 +139,7 @@ class Soak:
         self.lives: list[dict] = []
         self.hangs = 0
         self.frozen: dict[int, threading.Timer] = {}
-        self.touched: set[int] = set()        # every process a fault was aimed at: none outlives the soak
+        self.touched: dict[int, str] = {}     # pid -> marker of every process of a job: none outlives the soak
         self.proc: subprocess.Popen | None = None
         self.deck: list[str] = []
 
@@ -178,8 +180,8 @@ class Soak:
                "WANDB_SILENT": "true"}
         log_path = self.run_dir / f"life-{len(self.lives):03d}.log"
         with open(log_path, "wb") as out:
-            self.proc = subprocess.Popen(job_command(self.cfg, self.steps), stdout=out, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(job_command(self.cfg, self.steps), stdout=out, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         started = last_progress = last_scan = time.monotonic()
         last_step, stopping = -1, False
         while self.proc.poll() is None:
@@ -187,7 +189,7 @@ class Soak:
             now = time.monotonic()
             self._count_corruptions()
             if now - last_scan > 2.0:            # the job's processes, to stop any it leaves behind
-                self.touched.update(descendants(self.proc.pid, SERVER) + descendants(self.proc.pid, ROLLOUT))
+                self.touched.update(descendants(self.proc.pid, SERVER, ROLLOUT))
                 last_scan = now
             step = self._steps_logged()
             if step != last_step:
@@ -248,14 +250,14 @@ class Soak:
         pid = self._pick(SERVER)
         if pid is None:
             return False
-        self.touched.add(pid)
+        self.touched[pid] = SERVER
         return _signal(pid, signal.SIGKILL, SERVER)
 
     def _server_freeze(self) -> bool:
         pid = self._pick(SERVER)
         if pid is None or not _signal(pid, signal.SIGSTOP, SERVER):
             return False
-        self.touched.add(pid)
+        self.touched[pid] = SERVER
         seconds = self.rng.uniform(1.0, 2.5 * self.cfg.timeout_s)
         timer = threading.Timer(seconds, self._thaw, args=(pid,))
         timer.daemon = True
@@ -312,7 +314,7 @@ class Soak:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            self.touched.update(descendants(self.proc.pid, SERVER) + descendants(self.proc.pid, ROLLOUT))
+            self.touched.update(descendants(self.proc.pid, SERVER, ROLLOUT))
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -321,10 +323,8 @@ class Soak:
         self._reap_touched()
 
     def _reap_touched(self) -> None:
-        for pid in list(self.touched):
-            for marker in (SERVER, ROLLOUT):
-                _signal(pid, signal.SIGKILL, marker)
-                _signal(pid, signal.SIGCONT, marker)
+        for pid, marker in list(self.touched.items()):
+            _signal(pid, signal.SIGKILL, marker)        # a stopped process dies of it too
 
     def _cleanup(self) -> None:
         for timer in list(self.frozen.values()):
