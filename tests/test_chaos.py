@@ -13,6 +13,7 @@ import pytest
 
 from trainer_bridge.job.audit import audit
 from trainer_bridge.job.chaos import KINDS, Soak, SoakConfig
+from weight_sync.audit import read_records
 
 STEPS = 120
 GROUP = 8
@@ -72,12 +73,14 @@ def test_the_auditor_catches_a_sample_trained_twice_and_one_never_trained(soak, 
 def test_the_auditor_catches_weights_the_trainer_did_not_push(soak, tmp_path):
     _, cfg, _ = soak
     run = tampered(cfg.run_dir, tmp_path)
-    commits = sorted((run / "logs").glob("commits-*.jsonl"))
+    # a server killed before its first push logged only its load: tamper with one that committed
+    committed = [p for p in sorted((run / "logs").glob("commits-*.jsonl"))
+                 if any(r["kind"] == "commit" for r in read_records(p))]
 
     def other_weights(lines):
         c = next(x for x in lines if x["kind"] == "commit")
         c["digest"] = "0" * 32                                     # a commit of weights the trainer never had
-    rewrite(commits[0], other_weights)
+    rewrite(committed[0], other_weights)
 
     def unpushed(lines):
         lines[-1]["version"] = 10_000                             # the last push never happened
