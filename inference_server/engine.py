@@ -22,8 +22,9 @@ import torch
 
 from inference_server import weights
 from inference_server.cpu_split import SplitStepRunner
-from inference_server.kv_cache import kv_slots_that_fit
-from inference_server.model_runner import DecoderRunner, GenericRunner, Runner, supports_fast_path
+from inference_server.kv_cache import kv_blocks_that_fit, kv_slots_that_fit
+from inference_server.model_runner import (DecoderRunner, GenericRunner, PagedDecoderRunner, Runner,
+                                           supports_fast_path)
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Finish, Sequence
@@ -32,15 +33,18 @@ from platforms import choose_device, choose_dtype, usable_cores
 log = logging.getLogger(__name__)
 
 
-def make_runner(model, num_slots: int, context_length: int, split_threads: int | None = None) -> Runner:
-    """The fast path where the model's family has one, else the generic one; `split_threads` (CPU,
-    one thread a step) runs big fast-path steps as two parts (cpu_split)."""
+def make_runner(model, num_slots: int, context_length: int, split_threads: int | None = None,
+                blocks: tuple[int, int] | None = None) -> Runner:
+    """The fast path where the model's family has one, else the generic one; `blocks` (number, size):
+    the fast path over a paged KV cache instead of contiguous slots; `split_threads` (CPU, one thread
+    a step) runs big fast-path steps as two parts (cpu_split)."""
     if not supports_fast_path(model):
         return GenericRunner(model, num_slots, context_length)
-    runner = DecoderRunner(model, num_slots, context_length)
+    runner = PagedDecoderRunner(model, *blocks) if blocks else DecoderRunner(model, num_slots, context_length)
     if split_threads is None:
         return runner
     return SplitStepRunner(runner, threads=split_threads)
+
 
 class PauseMode(str, enum.Enum):
     ABORT = "abort"          # abort everything, then hold new requests
@@ -61,7 +65,10 @@ class EngineArgs:
     load_weights: bool = True              # False: build from config; weights arrive from a peer (version -1)
     cpu_threads: int | None = None         # CPU device: intra-op threads of a step (None: cores - 1)
     cpu_split: bool = True                 # CPU, 1 thread a step, >= 2 cores: big steps run as two halves
-    prefix_share: bool = True              # a prompt already in the KV cache (a GRPO group's n samples) is copied, not prefilled
+    prefix_share: bool = True              # a prompt already in the KV cache (a GRPO group's n samples) is shared, not prefilled
+    kv_layout: str = "paged"               # "paged": blocks by tokens held; "contiguous": a full-context slot a sequence
+    kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU max_running contexts)
+    kv_block_size: int = 16                # positions a block (paged)
 
 
 @dataclass
@@ -76,6 +83,7 @@ class EngineStats:
     weight_updates: int = 0
     last_swap_stall_s: float = 0.0
     slot_sorts: int = 0
+    peak_running: int = 0                  # most sequences running in one step
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, load_weights: bool = True):
@@ -129,13 +137,7 @@ class Engine:
         self.eos_ids = eos_ids(self.model, self.tokenizer)
         self.cpu_threads = cpu_threads(args.cpu_threads) if self.device.type == "cpu" else None
         split = args.cpu_split and self.cpu_threads == 1 and usable_cores() >= 2
-        self.max_running = kv_slots_that_fit(args.max_running_requests, cfg, self.context_length, self.dtype,
-                                             self.device)
-        self.runner = make_runner(self.model, self.max_running, self.context_length,
-                                  split_threads=1 if split else None)
-        if isinstance(self._kv_runner, DecoderRunner):
-            self._kv_runner.share_prompts = args.prefix_share
-        self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
+        self._make_runner(args, split)
         if split:
             self.scheduler.pair_newcomers = 4
         self.sampler = Sampler(args.seed, self.device)
@@ -149,6 +151,27 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _make_runner(self, args: EngineArgs, split: bool) -> None:
+        """The runner over a KV cache of the layout and budget asked, and the scheduler that admits by it."""
+        if args.kv_layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv_layout={args.kv_layout!r}: expected 'paged' or 'contiguous'")
+        cfg, blocks = self.model.config, None
+        paged = args.kv_layout == "paged" and supports_fast_path(self.model)
+        if paged:
+            self.max_running = args.max_running_requests
+            blocks = (kv_blocks_that_fit(args.kv_cache_gb, cfg, self.context_length, args.kv_block_size,
+                                         self.max_running, self.dtype, self.device), args.kv_block_size)
+        else:
+            self.max_running = kv_slots_that_fit(args.max_running_requests, cfg, self.context_length, self.dtype,
+                                                 self.device, args.kv_cache_gb)
+        self.runner = make_runner(self.model, self.max_running, self.context_length,
+                                  split_threads=1 if split else None, blocks=blocks)
+        if isinstance(self._kv_runner, DecoderRunner):
+            self._kv_runner.share_prompts = args.prefix_share
+        self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
+        if paged:
+            self.scheduler.blocks = self._kv_runner.blocks
 
     # ---- the loop --------------------------------------------------------------------------
     def start(self) -> None:
@@ -193,6 +216,7 @@ class Engine:
             self.stats.shared_prompt_tokens += total - computed
             total = computed
         self.stats.prompt_tokens += total
+        self.stats.peak_running = max(self.stats.peak_running, len(seqs))
         tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
         self._postprocess(seqs, tokens, logprobs)
         self.stats.steps += 1
@@ -206,7 +230,7 @@ class Engine:
     def _share_prompts(self, decode: list[Sequence], prefill: list[Sequence]) -> tuple[list, list]:
         """Newcomers whose prompt a running sequence already holds in the KV cache, computed under
         the current weights (the other samples of a GRPO group, sent a moment earlier): copy its
-        KV of the prompt but the last token into their slots and let them join as decode rows, which
+        KV of the prompt but the last token (paged: its full blocks by reference) and let them join as decode rows, which
         compute that last token as a decode step does. Their slots move up to follow the decode
         rows (running slots stay a dense prefix: decode rows, then the prefills)."""
         donors = {}
@@ -222,7 +246,7 @@ class Engine:
         for slot, seq in enumerate(self.scheduler.running[b:], start=b):
             seq.slot = slot
         for p in shared:
-            self._kv_runner.move(donors[tuple(p.prompt_ids)].slot, p.slot, len(p.prompt_ids) - 1)
+            self._kv_runner.share(donors[tuple(p.prompt_ids)], p, len(p.prompt_ids) - 1)
             p.prefill_version = self.version
             self.stats.shared_prompt_tokens += len(p.prompt_ids) - 1
             self.stats.prompt_tokens += 1                     # its last prompt token is computed
@@ -376,6 +400,15 @@ class Engine:
     def load_from_disk(self, path: str) -> dict[str, torch.Tensor]:
         """Read and check a checkpoint off the engine thread; the engine keeps serving meanwhile."""
         return weights.match(self.model, weights.load_checkpoint(path))
+
+    def kv_gauges(self) -> list[tuple[str, str, int]]:
+        """(name, help, value) of the paged KV cache's block counts; none for contiguous slots."""
+        blocks = self.scheduler.blocks
+        if blocks is None:
+            return []
+        return [("riptide_kv_blocks_total", "KV cache blocks", blocks.num_blocks),
+                ("riptide_kv_blocks_free", "KV cache blocks free", blocks.num_free),
+                ("riptide_kv_block_size", "Positions a KV block", blocks.block_size)]
 
     def counts(self) -> tuple[int, int]:
         return len(self.scheduler.running), len(self.scheduler.waiting)

@@ -1,4 +1,7 @@
-"""Contiguous per-slot KV cache: slot `i` holds sequence `running[i]`'s keys and values."""
+"""KV caches. `PagedKVCache` (the default): a pool of fixed-size blocks, each sequence holding the
+blocks its tokens fill (`blocks.BlockAllocator` says which), so memory goes by tokens held.
+`SlotKVCache`: one contiguous slot a running sequence, allocated at the full context length (slot `i`
+holds sequence `running[i]`'s keys and values)."""
 from __future__ import annotations
 
 import logging
@@ -12,26 +15,59 @@ log = logging.getLogger(__name__)
 KV_MEMORY_FRACTION = 0.85   # of an accelerator's free memory once the weights are loaded; the rest: activations
 
 
-def kv_slots_that_fit(requested: int, config, context_length: int, dtype: torch.dtype, device: torch.device) -> int:
-    """How many sequences' KV caches to allocate: `requested`, or on an accelerator as many as fit
-    in KV_MEMORY_FRACTION of its free memory (fewer with a warning; an error when not even one fits).
-    `config`: the model's (layers, KV heads, head size)."""
-    platform = platform_of(device)
-    if not platform.accelerator:
-        return requested
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Keys and values of one position over all layers. `config`: the model's (layers, KV heads, head size)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    per_slot = 2 * config.num_hidden_layers * kv_heads * context_length * head_dim * dtype.itemsize
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+
+
+def kv_budget(budget_gb: float | None, device: torch.device) -> tuple[int | None, str]:
+    """(bytes, where from) for the KV cache: `budget_gb` (--kv-cache-gb) on any device, else on an
+    accelerator KV_MEMORY_FRACTION of its free memory once the weights are loaded, else None (CPU:
+    the caller's default)."""
+    if budget_gb is not None:
+        if budget_gb <= 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {budget_gb}")
+        return int(budget_gb * 2**30), f"--kv-cache-gb {budget_gb:g}"
+    platform = platform_of(device)
+    if not platform.accelerator:
+        return None, "cpu default"
     free, total = platform.memory(device)
-    fit = int(free * KV_MEMORY_FRACTION) // per_slot
+    return int(free * KV_MEMORY_FRACTION), f"{free / 2**30:.2f} of {total / 2**30:.1f} GiB free on {device} after the weights"
+
+
+def kv_blocks_that_fit(budget_gb: float | None, config, context_length: int, block_size: int, max_running: int,
+                       dtype: torch.dtype, device: torch.device) -> int:
+    """Blocks of the paged cache: as many as the budget holds (CPU default: `max_running` full
+    contexts, what the slot cache took). An error when they do not hold one sequence at the full
+    context, which could then never finish."""
+    per_block = kv_bytes_per_token(config, dtype) * block_size
+    budget, source = kv_budget(budget_gb, device)
+    blocks = budget // per_block if budget is not None else max_running * -(-context_length // block_size)
+    if blocks * block_size < context_length:
+        raise ValueError(f"the KV budget ({source}) holds {blocks * block_size} tokens, fewer than one sequence "
+                         f"at context {context_length}: lower --context-length or raise --kv-cache-gb")
+    return blocks
+
+
+def kv_slots_that_fit(requested: int, config, context_length: int, dtype: torch.dtype, device: torch.device,
+                      budget_gb: float | None = None) -> int:
+    """How many sequences' contiguous KV slots to allocate: `requested`, or as many as fit in the
+    budget (`budget_gb`, or on an accelerator KV_MEMORY_FRACTION of its free memory): fewer with a
+    warning, an error when not even one fits."""
+    budget, source = kv_budget(budget_gb, device)
+    if budget is None:
+        return requested
+    per_slot = kv_bytes_per_token(config, dtype) * context_length
+    fit = budget // per_slot
     if fit < 1:
         raise ValueError(f"the KV cache of one sequence at context {context_length} takes {per_slot / 2**20:.0f} MiB; "
-                         f"{device} has {free / 2**30:.2f} of {total / 2**30:.1f} GiB free after the weights: "
-                         f"lower --context-length")
+                         f"the budget is {source}: lower --context-length")
     if fit < requested:
-        log.warning("%s: KV caches for %d of the %d requested running sequences fit in %.2f GiB free at context %d: "
-                    "running at most %d", device, fit, requested, free / 2**30, context_length, fit)
+        log.warning("%s: KV slots for %d of the %d requested running sequences fit in %s at context %d: "
+                    "running at most %d", device, fit, requested, source, context_length, fit)
     return min(requested, fit)
 
 
@@ -85,3 +121,29 @@ class SlotKVCache:
                     break
                 self.move(src, dst, lengths[src])
                 dst = src
+
+
+class PagedKVCache:
+    """`k`, `v`: [layers, blocks, block_size, kv_heads, head_dim]. Position p of a sequence holding
+    blocks B lives in row B[p // block_size] * block_size + p % block_size of a layer's flat view."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # zeros, not empty: a padded read past a row's length must see finite values (masked to 0)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[blocks * block_size, kv_heads, head_dim] views of a layer."""
+        k, v = self.k[layer], self.v[layer]
+        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

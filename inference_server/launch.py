@@ -36,6 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=64, help="sequences decoded together")
     p.add_argument("--context-length", type=int, default=None, help="default: the model's, capped at 4096")
     p.add_argument("--max-prefill-tokens", type=int, default=4096, help="prompt tokens per prefill step")
+    p.add_argument("--kv-cache-gb", type=float, default=None,
+                   help="KV cache memory, any device (default: 85%% of an accelerator's free memory after the "
+                        "weights; CPU: --max-running-requests full contexts)")
+    p.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
+                   help="paged: blocks allocated as sequences grow (memory by tokens held); contiguous: one "
+                        "full-context slot a running sequence")
+    p.add_argument("--kv-block-size", type=int, default=16, help="positions a KV block (paged)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")
     p.add_argument("--no-cpu-split", dest="cpu_split", action="store_false",
@@ -116,6 +123,16 @@ class EnginePort:
         self.engine.weights_torn = torn
 
 
+def make_engine(a: argparse.Namespace) -> Engine:
+    return Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
+                             max_running_requests=a.max_running_requests, context_length=a.context_length,
+                             max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
+                             weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
+                             prefix_share=a.prefix_share, kv_layout=a.kv_layout, kv_cache_gb=a.kv_cache_gb,
+                             kv_block_size=a.kv_block_size,
+                             load_weights=a.weights_from_peer is None and not a.no_weights))
+
+
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     if a.parent_pid is not None:
@@ -126,12 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         mooncake = platform.mooncake(a.weight_sync_protocol, a.weight_sync_device)
     except ValueError as e:
         raise SystemExit(f"riptide-serve: {e}") from None
-    engine = Engine(EngineArgs(model_path=a.model_path, dtype=a.dtype, device=a.device,
-                               max_running_requests=a.max_running_requests, context_length=a.context_length,
-                               max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
-                               weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
-                               prefix_share=a.prefix_share,
-                               load_weights=a.weights_from_peer is None and not a.no_weights))
+    try:
+        engine = make_engine(a)
+    except ValueError as e:
+        raise SystemExit(f"riptide-serve: {e}") from None
     def make_transport() -> MooncakeTransport:
         platform.before_transport(engine.device)
         return MooncakeTransport(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)

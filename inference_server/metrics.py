@@ -22,6 +22,8 @@ class _EngineCollector:
             ("riptide_engine_steps", "Engine steps run", s.steps),
             ("riptide_engine_busy_seconds", "Seconds spent inside engine steps", s.busy_seconds),
             ("riptide_weight_updates", "Weight versions swapped in", s.weight_updates),
+            ("riptide_preemptions", "Sequences preempted when KV blocks ran out (re-prefilled later)",
+             e.scheduler.preemptions),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (
@@ -29,6 +31,8 @@ class _EngineCollector:
             ("riptide_num_queue_reqs", "Sequences waiting for a slot", waiting),
             ("riptide_weight_version", "Weight version being served", e.version),
             ("riptide_last_swap_stall_seconds", "Serving stall of the last weight swap", s.last_swap_stall_s),
+            ("riptide_peak_running_reqs", "Most sequences run in one step", s.peak_running),
+            *e.kv_gauges(),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
 

@@ -8,12 +8,14 @@ On a CPU with one thread a step, `cpu_split.SplitStepRunner` wraps a DecoderRunn
 """
 from __future__ import annotations
 
+import threading
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from inference_server.kv_cache import SlotKVCache
+from inference_server.blocks import BlockAllocator
+from inference_server.kv_cache import PagedKVCache, SlotKVCache
 from inference_server.sequence import Sequence
 
 _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -93,6 +95,11 @@ def supports_fast_path(model) -> bool:
 
 class DecoderRunner:
     def __init__(self, model, num_slots: int, context_length: int):
+        self._init_common(model)
+        self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
+                              self.head_dim, self.dtype, self.device)
+
+    def _init_common(self, model) -> None:
         self.model = model
         cfg = model.config
         self.decoder = model.model
@@ -104,9 +111,7 @@ class DecoderRunner:
         self.kv_group = self.num_heads // self.num_kv_heads  # query heads per KV head
         self.scaling = attn.scaling
         param = next(model.parameters())
-        self.device = param.device
-        self.kv = SlotKVCache(len(self.layers), num_slots, self.num_kv_heads, context_length,
-                              self.head_dim, param.dtype, param.device)
+        self.device, self.dtype = param.device, param.dtype
         self._plan_key: tuple = ()
         self._cuts: list[tuple[int, int]] = []
         self.share_prompts = True        # newcomers of one step with the same tokens are computed once
@@ -170,39 +175,51 @@ class DecoderRunner:
             pos += range(s.num_tokens)
         tokens = torch.tensor(ids, device=self.device)
         positions = torch.tensor(pos, device=self.device)
-        if b:
-            dec_pos = positions[:b]
-            planned = self._decode_chunks(chunks, slot0, pos, dec_pos)
-
-        def attend(layer, q, k, v):
-            out = torch.empty_like(q)
-            if b:
-                self.kv.write_decode(layer, dec_pos, k[:b], v[:b], first_slot=slot0)
-                for start, end, longest, mask in planned:
-                    ks, vs = self.kv.rows(layer, slot0 + start, slot0 + end, longest)
-                    # one query a row: the query heads that share a KV head go in as that head's
-                    # query positions, so the keys are read once per KV head, not expanded per head
-                    # (10% faster a call than enable_gqa on CPU)
-                    qs = q[start:end].view(end - start, self.num_kv_heads, self.kv_group, self.head_dim)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling)
-                    out[start:end] = o.view(end - start, self.num_heads, self.head_dim)
-            for s, start, n in spans:
-                qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
-                self.kv.write_prefill(layer, s.slot, ks, vs)
-                o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
-                                                   scale=self.scaling, enable_gqa=True)
-                out[start:start + n] = o[0].transpose(0, 1)
-            for s, i in copies:
-                _, start, n = spans[i]
-                self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
-            return out.flatten(1)
-
+        attend = self._attention(decode, pos, slot0, chunks, positions, spans, copies)
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
         last = {id(s): start + n - 1 for s, start, n in spans}
         for s, i in copies:
             last[id(s)] = spans[i][1] + spans[i][2] - 1
         rows = list(range(b)) + [last[id(s)] for s in prefill]
         return self._logits(x[torch.tensor(rows, device=self.device)] if prefill else x)
+
+    def _prefill_attention(self, out, q, k, v, spans) -> None:
+        """Each newcomer attends over its own tokens, computed this step (causal)."""
+        for s, start, n in spans:
+            qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
+                                               scale=self.scaling, enable_gqa=True)
+            out[start:start + n] = o[0].transpose(0, 1)
+
+    def _decode_attention(self, out, q, start: int, end: int, ks, vs, mask) -> None:
+        # one query a row: the query heads that share a KV head go in as that head's query
+        # positions, so the keys are read once per KV head, not expanded per head (10% faster a
+        # call than enable_gqa on CPU). ks, vs: [rows, kv_heads, length, head_dim]
+        qs = q[start:end].view(end - start, self.num_kv_heads, self.kv_group, self.head_dim)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling)
+        out[start:end] = o.view(end - start, self.num_heads, self.head_dim)
+
+    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
+        """attend(layer, q, k, v) for `_layers`: writes this step's keys and values into the slots
+        and returns the attention output of every token."""
+        b = len(decode)
+        planned = self._decode_chunks(chunks, slot0, pos, positions[:b]) if b else []
+
+        def attend(layer, q, k, v):
+            out = torch.empty_like(q)
+            if b:
+                self.kv.write_decode(layer, positions[:b], k[:b], v[:b], first_slot=slot0)
+                for start, end, longest, mask in planned:
+                    ks, vs = self.kv.rows(layer, slot0 + start, slot0 + end, longest)
+                    self._decode_attention(out, q, start, end, ks, vs, mask)
+            self._prefill_attention(out, q, k, v, spans)
+            for s, start, n in spans:
+                self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
+            for s, i in copies:
+                _, start, n = spans[i]
+                self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
+            return out.flatten(1)
+        return attend
 
     def _decode_chunks(self, chunks, slot0: int, pos: list[int], dec_pos: torch.Tensor) -> list[tuple]:
         """(start, end, longest, additive mask or None) of each chunk of decode rows, in part rows:
@@ -213,7 +230,7 @@ class DecoderRunner:
             mask = None
             if any(p + 1 != longest for p in pos[start:end]):
                 valid = torch.arange(longest, device=self.device)[None, :] <= dec_pos[start:end, None]
-                mask = torch.zeros(valid.shape, dtype=self.kv.k.dtype, device=self.device)
+                mask = torch.zeros(valid.shape, dtype=self.dtype, device=self.device)
                 mask.masked_fill_(~valid, float("-inf"))
                 mask = mask[:, None, None, :]
             planned.append((start, end, longest, mask))
@@ -230,6 +247,10 @@ class DecoderRunner:
 
     def move(self, src: int, dst: int, length: int) -> None:
         self.kv.move(src, dst, length)
+
+    def share(self, donor: Sequence, seq: Sequence, n: int) -> None:
+        """`seq` takes `donor`'s first `n` positions (the same tokens): copied into its slot."""
+        self.kv.move(donor.slot, seq.slot, n)
 
     def release(self, seq: Sequence) -> None:
         pass
@@ -248,6 +269,118 @@ class DecoderRunner:
     def reorder(self, order: list[int], lengths: list[int]) -> None:
         """Permute KV slots: new slot i takes old slot order[i] (`lengths` by old slot)."""
         self.kv.permute(order, lengths)
+
+
+# Positions a decode-attention call gathers at most (a chunk with more rows runs as several calls):
+# bounds the gather workspace, two per thread, at 64k positions' keys or values of one layer.
+WORKSPACE_POSITIONS = 65536
+
+
+class PagedDecoderRunner(DecoderRunner):
+    """A DecoderRunner over a paged KV cache: each sequence holds the blocks its tokens fill
+    (`seq.blocks`, allocated by the scheduler as it grows, freed by `release`), so a sequence costs
+    memory by the tokens it holds, not by the context length. Decode attention gathers each chunk's
+    blocks into a workspace (one copy a layer, reused across steps, no page faults) and attends
+    there; a slot is only a row number, so moving or reordering sequences copies nothing. A prompt
+    shared by the samples of a group is held once: its full blocks by reference."""
+
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self._init_common(model)
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+        self.kv = PagedKVCache(len(self.layers), num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                               self.dtype, self.device)
+        self._workspace = threading.local()        # cpu_split runs two parts at once: one each
+        self.workspace_positions = WORKSPACE_POSITIONS
+
+    def _gather(self, flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
+        """Blocks `idx` of a layer's flat keys (which=0) or values (1), in order, into this thread's
+        workspace: [len(idx) * block_size, kv_heads, head_dim]."""
+        buffers = self._workspace.__dict__.setdefault("buffers", {})
+        n = idx.numel() * self.block_size
+        ws = buffers.get(which)
+        if ws is None or ws.shape[0] < n:
+            ws = buffers[which] = flat.new_empty((max(n, 2 * (0 if ws is None else ws.shape[0])), *flat.shape[1:]))
+        out = ws[:n]
+        torch.index_select(flat.view(-1, self.block_size, *flat.shape[1:]), 0, idx,
+                           out=out.view(-1, self.block_size, *flat.shape[1:]))
+        return out
+
+    def _table(self, seqs: list[Sequence], nb: int) -> torch.Tensor:
+        """[len(seqs), nb] block ids: each row's first nb blocks, padded with block 0 (masked)."""
+        rows = [s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in seqs]
+        return torch.tensor(rows, device=self.device).flatten()
+
+    def _writes(self, decode, pos, spans, copies) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token rows, pool rows): where this step's keys and values go. A copy (a newcomer with
+        the same tokens as an earlier one this step) takes that one's full blocks by reference and
+        writes only its last, partial block."""
+        bs, src, dst = self.block_size, [], []
+        for i, s in enumerate(decode):
+            src.append(i)
+            dst.append(s.blocks[pos[i] // bs] * bs + pos[i] % bs)
+        for s, start, n in spans:
+            src += range(start, start + n)
+            dst += [s.blocks[p // bs] * bs + p % bs for p in range(n)]
+        for s, i in copies:
+            first, start, n = spans[i]
+            full = n // bs
+            self.blocks.free(s.blocks[:full])
+            s.blocks[:full] = self.blocks.ref(first.blocks[:full])
+            src += range(start + full * bs, start + n)
+            dst += [s.blocks[p // bs] * bs + p % bs for p in range(full * bs, n)]
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
+        return t(src), t(dst)
+
+    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
+        b, bs = len(decode), self.block_size
+        planned = []
+        for start, end, longest, mask in (self._decode_chunks(chunks, slot0, pos, positions[:b]) if b else []):
+            rows = max(1, self.workspace_positions // longest)     # the workspace stays bounded
+            planned += [(a, min(end, a + rows), longest, None if mask is None else mask[a - start:min(end, a + rows) - start])
+                        for a in range(start, end, rows)]
+        tables = [self._table(decode[start:end], -(-longest // bs)) for start, end, longest, _ in planned]
+        src, dst = self._writes(decode, pos, spans, copies)
+
+        def attend(layer, q, k, v):
+            out = torch.empty_like(q)
+            kf, vf = self.kv.flat(layer)
+            kf.index_copy_(0, dst, k.index_select(0, src))
+            vf.index_copy_(0, dst, v.index_select(0, src))
+            for (start, end, longest, mask), idx in zip(planned, tables):
+                rows = end - start
+                ks, vs = (self._gather(f, idx, w).view(rows, -1, self.num_kv_heads, self.head_dim)[:, :longest].transpose(1, 2)
+                          for w, f in ((0, kf), (1, vf)))
+                self._decode_attention(out, q, start, end, ks, vs, mask)
+            self._prefill_attention(out, q, k, v, spans)
+            return out.flatten(1)
+        return attend
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        pass                                        # blocks follow the sequence, not its slot
+
+    def share(self, donor: Sequence, seq: Sequence, n: int) -> None:
+        """`seq` takes `donor`'s first `n` positions: the full blocks by reference, the partial
+        last one copied (its next positions are seq's own)."""
+        full = n // self.block_size
+        self.blocks.free(seq.blocks[:full])
+        seq.blocks[:full] = self.blocks.ref(donor.blocks[:full])
+        if n % self.block_size:
+            self.kv.copy_block(donor.blocks[full], seq.blocks[full])
+
+    def release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.blocks)
+        seq.blocks = []
+
+    def better_order(self, lengths: list[int]) -> list[int] | None:
+        """Longest first whenever that makes decode attention cheaper: reordering copies nothing."""
+        if len(lengths) < 3 or all(a >= b for a, b in zip(lengths, lengths[1:])):
+            return None
+        order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+        return order if chunk_cost([lengths[i] for i in order]) < chunk_cost(lengths) else None
+
+    def reorder(self, order: list[int], lengths: list[int]) -> None:
+        pass
 
 
 class GenericRunner:

@@ -3,11 +3,19 @@
 Slots: `running[i]` owns KV slot `i`, always a dense prefix, so a decode step attends over slots
 `[0, len(decode))` with no gather; newcomers take the slots after them. Removing a sequence moves the last one into its hole; the
 caller applies the returned move `(src, dst)` to the KV cache.
+
+Blocks (a paged KV cache: `blocks` set): a sequence runs only while it holds the blocks its tokens
+fill. Each step first gives every running sequence the block its next token needs; when the pool
+is short, the most recently admitted sequences are preempted (their blocks freed; they wait at the
+head of the queue and re-prefill prompt + output when they run again, keeping what they generated)
+until the rest fit. A newcomer is admitted while its blocks fit with one block of room a running
+sequence left over, so that growth rarely has to preempt.
 """
 from __future__ import annotations
 
 from collections import deque
 
+from inference_server.blocks import BlockAllocator
 from inference_server.sequence import Sequence, SeqStatus
 
 
@@ -25,6 +33,8 @@ class Scheduler:
         self.pair_newcomers = 0
         self.pair_min_running = 16
         self._held = 0
+        self.blocks: BlockAllocator | None = None
+        self.preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -38,6 +48,8 @@ class Scheduler:
         while slots and the prefill token budget allow, so a join never stalls the running batch."""
         if self.paused:
             return [], []
+        if self.blocks is not None:
+            self._grow()
         decode = list(self.running)
         prefill, budget = [], self.max_prefill_tokens
         if (self.pair_newcomers and self.waiting and len(self.running) + 1 == self.max_running
@@ -49,12 +61,40 @@ class Scheduler:
             seq = self.waiting[0]
             if prefill and seq.num_tokens > budget:
                 break
+            if self.blocks is not None and not self._take_blocks(seq):
+                break
             self.waiting.popleft()
             budget -= seq.num_tokens
             seq.slot, seq.status = len(self.running), SeqStatus.RUNNING
             self.running.append(seq)
             prefill.append(seq)
         return decode, prefill
+
+    def _grow(self) -> None:
+        """Every running sequence gets the blocks its next token needs, preempting from the back."""
+        need = [self.blocks.needed(s.blocks, s.num_tokens) for s in self.running]
+        while sum(need) > self.blocks.num_free and len(self.running) > 1:
+            need.pop()
+            self._preempt(self.running.pop())
+        for seq, n in zip(self.running, need):
+            if n:
+                seq.blocks += self.blocks.alloc(n)
+
+    def _take_blocks(self, seq: Sequence) -> bool:
+        n = self.blocks.blocks_for(seq.num_tokens)
+        if self.running and n + len(self.running) > self.blocks.num_free:
+            return False
+        if n > self.blocks.num_free:
+            return False
+        seq.blocks = self.blocks.alloc(n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.blocks)
+        seq.blocks, seq.slot, seq.status = [], None, SeqStatus.WAITING
+        seq.num_retractions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence) -> tuple[int, int] | None:
         """Take `seq` out of the queues. Returns the KV slot move `(src, dst)` this causes, if any."""

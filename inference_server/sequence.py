@@ -61,6 +61,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: dict | None = None
     slot: int | None = None
+    blocks: list[int] = field(default_factory=list)    # paged KV cache: the blocks its positions fill
     prefill_version: int | None = None       # weights that computed the KV cache of the prompt
     num_retractions: int = 0
     arrival: float = field(default_factory=time.monotonic)

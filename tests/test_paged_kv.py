@@ -1,0 +1,176 @@
+"""The paged KV cache (the default layout): the same tokens and logprobs as the contiguous slot cache
+on mixed batches (prefill + decode, a GRPO group's shared prompt, aborts, a retract and resume,
+sequences preempted when blocks run out), no block leaked over thousands of requests, and a KV
+budget that is honoured and checked before anything starts."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from inference_server.blocks import BlockAllocator
+from inference_server.engine import Engine, EngineArgs, PauseMode
+from inference_server.sequence import SamplingParams, Sequence
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(EngineArgs(model, context_length=256, cpu_split=False, **kw))
+
+
+def run(e: Engine, waves: dict[int, list[Sequence]], actions: dict[int, callable] | None = None,
+        max_steps: int = 5000) -> int:
+    """Step `e` on this thread: wave k's requests arrive before step k, actions[k] runs there too
+    (as engine commands do, between steps). Returns the steps taken."""
+    actions = actions or {}
+    with torch.inference_mode():
+        for step in range(max_steps):
+            if step in waves:
+                e.add(waves[step])
+            if step in actions:
+                actions[step](e)
+            e._run_commands()
+            if not e.scheduler.has_work and step > max(waves, default=0) and step > max(actions, default=0):
+                return step
+            if e.scheduler.has_work:
+                e.step()
+    raise AssertionError("the engine did not finish its requests")
+
+
+def workload(seed: int) -> dict[int, list[Sequence]]:
+    """Mixed prompt lengths, greedy and seeded rows, a group of 6 with one prompt (GRPO), arriving
+    in waves while earlier ones decode."""
+    rng = random.Random(seed)
+    waves = {}
+    for k in (0, 3, 4, 9, 20):
+        batch = []
+        for i in range(rng.randint(2, 5)):
+            n = rng.choice([1, 5, 16, 17, 33, 70])
+            greedy = i % 2 == 0
+            batch.append(Sequence(f"w{k}-{i}", [rng.randrange(20, 1900) for _ in range(n)],
+                                  SamplingParams(max_new_tokens=rng.randint(3, 40), ignore_eos=True,
+                                                 temperature=0.0 if greedy else 0.9, seed=None if greedy else i)))
+        waves[k] = batch
+    prompt = [rng.randrange(20, 1900) for _ in range(37)]
+    waves[5] = [Sequence(f"g{i}", list(prompt), SamplingParams(max_new_tokens=25, ignore_eos=True, seed=i))
+                for i in range(3)]
+    waves[8] = [Sequence(f"g{i}", list(prompt), SamplingParams(max_new_tokens=25, ignore_eos=True, seed=i))
+                for i in range(3, 6)]                  # joins the group's first three while they decode
+    return waves
+
+
+def outputs(waves) -> dict[str, tuple[list[int], list[float], str]]:
+    return {s.rid: (s.output_ids, s.output_logprobs, s.finish_reason["type"]) for w in waves.values() for s in w}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid][0] == b[rid][0], rid
+        assert a[rid][2] == b[rid][2], rid
+        assert max((abs(x - y) for x, y in zip(a[rid][1], b[rid][1])), default=0) < 1e-4, rid
+
+
+def test_paged_gives_the_contiguous_caches_tokens_and_logprobs_on_mixed_batches(tiny_model):
+    actions = {12: lambda e: e.abort("w9-1"),                      # an abort mid-decode
+               14: lambda e: e.pause(PauseMode.RETRACT),           # every KV block given back ...
+               16: lambda e: e.resume()}                           # ... and re-prefilled
+    got = {}
+    for layout in ("contiguous", "paged", "paged, small workspace"):
+        e = engine(tiny_model, kv_layout=layout.split(",")[0], seed=3)
+        if layout.endswith("workspace"):
+            e.runner.workspace_positions = 40              # a chunk of rows gathered in several calls
+        waves = workload(0)
+        run(e, waves, dict(actions))
+        got[layout] = outputs(waves)
+        assert got[layout]["w9-1"][2] == "abort"
+        if layout != "contiguous":
+            assert e.stats.shared_prompt_tokens > 0                # the group's prompt was held once
+            assert e.scheduler.blocks.num_free == e.scheduler.blocks.num_blocks
+    assert_same(got["paged"], got["contiguous"])
+    assert_same(got["paged, small workspace"], got["contiguous"])
+
+
+def test_a_groups_prompt_blocks_are_held_once_by_reference(tiny_model):
+    e = engine(tiny_model, seed=0)
+    prompt = list(range(100, 140))                   # 40 tokens: 2 full blocks of 16, 8 in a third
+    group = [Sequence(f"g{i}", list(prompt), SamplingParams(max_new_tokens=5, ignore_eos=True, seed=i))
+             for i in range(4)]
+    e.add(group)
+    with torch.inference_mode():
+        e._run_commands()
+        e.step()
+    first = group[0].blocks
+    for s in group[1:]:
+        assert s.blocks[:2] == first[:2] and s.blocks[2] != first[2]      # full blocks shared, the partial one own
+    assert [e.scheduler.blocks.refs(b) for b in first[:2]] == [4, 4]
+
+
+def test_sequences_preempted_when_blocks_run_out_finish_with_the_tokens_they_would_have(tiny_model):
+    """A pool far too small for everyone at once: the newest running sequences are preempted, wait,
+    and re-prefill prompt + output; every one still generates all its tokens (no truncation), the
+    same greedy tokens as with room for all."""
+    def make():
+        rng = random.Random(1)
+        return {0: [Sequence(f"p{i}", [rng.randrange(20, 1900) for _ in range(rng.randint(5, 30))],
+                             SamplingParams(max_new_tokens=60, ignore_eos=True, temperature=0.0)) for i in range(8)]}
+    roomy, tight = make(), make()
+    run(engine(tiny_model), roomy)
+    per_block = 2 * 2 * 2 * 32 * 4 * 16              # layers, K and V, KV heads, head size, fp32, positions
+    e = engine(tiny_model, kv_cache_gb=20 * per_block / 2**30)    # 20 blocks: 320 positions, the 8 need ~600
+    run(e, tight)
+    assert e.scheduler.preemptions > 0
+    assert all(len(s.output_ids) == 60 for s in tight[0])
+    assert [s.output_ids for s in tight[0]] == [s.output_ids for s in roomy[0]]
+    assert e.scheduler.blocks.num_free == e.scheduler.blocks.num_blocks
+
+
+def test_no_block_is_leaked_after_thousands_of_requests(tiny_model):
+    e = engine(tiny_model, max_running_requests=48, kv_cache_gb=24 * 2 * 2 * 2 * 32 * 4 * 16 / 2**30)
+    blocks = e.scheduler.blocks
+    rng = random.Random(2)
+    waves, n = {}, 0
+    for k in range(0, 480, 2):
+        prompt = [rng.randrange(20, 1900) for _ in range(rng.randint(1, 40))]
+        waves[k] = [Sequence(f"r{n + i}", list(prompt), SamplingParams(max_new_tokens=rng.randint(1, 12), seed=i))
+                    for i in range(rng.choice([1, 1, 4, 8]))]
+        waves[k] += [Sequence(f"r{n + 100 + i}", [rng.randrange(20, 1900) for _ in range(rng.randint(1, 60))],
+                              SamplingParams(max_new_tokens=rng.randint(1, 120), temperature=0.0)) for i in range(6)]
+        n += 200
+    actions = {k: (lambda e, k=k: e.abort(f"r{k * 100 + 100}")) for k in range(1, 480, 7)}   # a running one
+    actions.update({150: lambda e: e.pause(PauseMode.RETRACT), 152: lambda e: e.resume(),
+                    250: lambda e: e.pause(PauseMode.IN_PLACE), 251: lambda e: e.resume()})
+    run(e, waves, actions, max_steps=20000)
+    total = sum(len(w) for w in waves.values())
+    assert total > 2000 and all(s.finished for w in waves.values() for s in w)
+    assert e.stats.aborted_requests > 0
+    assert e.scheduler.preemptions > 0 and e.stats.shared_prompt_tokens > 0
+    assert blocks.num_free == blocks.num_blocks and all(blocks.refs(b) == 0 for b in range(blocks.num_blocks))
+
+
+def test_the_kv_budget_is_honoured_and_one_too_small_is_refused_before_anything_starts(tiny_model):
+    per_token = 2 * 2 * 2 * 32 * 4
+    e = engine(tiny_model, kv_cache_gb=1000 * per_token / 2**30)
+    assert e.scheduler.blocks.num_blocks == 1000 // 16
+    assert e.runner.kv.nbytes <= 1000 * per_token
+    slots = engine(tiny_model, kv_layout="contiguous", kv_cache_gb=3 * 256 * per_token / 2**30)
+    assert slots.max_running == 3                                  # three full-context slots fit the same kind of budget
+    with pytest.raises(ValueError, match="--kv-cache-gb"):
+        engine(tiny_model, kv_cache_gb=100 * per_token / 2**30)     # not one sequence at context 256
+    with pytest.raises(ValueError, match="kv_layout"):
+        engine(tiny_model, kv_layout="ring")
+
+
+def test_the_block_allocator_refuses_what_would_corrupt_it():
+    a = BlockAllocator(4, 16)
+    x = a.alloc(3)
+    assert a.num_free == 1 and a.needed(x, 49) == 1 and a.needed(x, 48) == 0
+    a.ref(x[:1])
+    a.free(x)
+    assert a.num_free == 3                               # x[0] still held by its second holder
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(x[1:2])
+    with pytest.raises(ValueError, match="is free"):
+        a.ref(x[1:2])
+    a.free(x[:1])
+    assert a.num_free == 4
