@@ -69,9 +69,11 @@ serve-demo: setup
 
 bench: setup
 	@# bench/vs_vllm.py and bench/vllm_sync.py are left out: they install vLLM the first time (run them by hand)
-	@# bench/chaos.py runs 20 minutes a seed by default: 2 here
+	@# bench/chaos.py runs 20 minutes a seed by default: 2 here; bench/long_context.py runs Riptide's two
+	@# KV layouts at a tenth of its lengths here (the full run, with vLLM: python bench/long_context.py)
 	@for b in bench/[a-z]*.py; do case $$b in bench/vs_vllm.py|bench/vllm_sync.py) continue;; esac; \
 		args=""; [ $$b = bench/chaos.py ] && args="--minutes 2"; \
+		[ $$b = bench/long_context.py ] && args="--scale 0.1 --servers riptide,riptide_contiguous"; \
 		echo "== $$b $$args"; $(PY) $$b $$args || exit 1; done
 
 clean:

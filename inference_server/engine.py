@@ -22,7 +22,7 @@ import torch
 
 from inference_server import weights
 from inference_server.cpu_split import SplitStepRunner
-from inference_server.kv_cache import kv_blocks_that_fit, kv_slots_that_fit
+from inference_server.kv_cache import kv_blocks_that_fit, kv_budget, kv_slots_that_fit
 from inference_server.model_runner import (DecoderRunner, GenericRunner, PagedDecoderRunner, Runner,
                                            supports_fast_path)
 from inference_server.sampler import Sampler
@@ -66,7 +66,9 @@ class EngineArgs:
     cpu_threads: int | None = None         # CPU device: intra-op threads of a step (None: cores - 1)
     cpu_split: bool = True                 # CPU, 1 thread a step, >= 2 cores: big steps run as two halves
     prefix_share: bool = True              # a prompt already in the KV cache (a GRPO group's n samples) is shared, not prefilled
-    kv_layout: str = "paged"               # "paged": blocks by tokens held; "contiguous": a full-context slot a sequence
+    kv_layout: str = "auto"                # "paged": blocks by tokens held; "contiguous": a full-context slot a
+                                           # sequence; "auto": paged under a KV budget (kv_cache_gb, or an
+                                           # accelerator's memory), else (CPU) contiguous
     kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU max_running contexts)
     kv_block_size: int = 16                # positions a block (paged)
 
@@ -154,10 +156,11 @@ class Engine:
 
     def _make_runner(self, args: EngineArgs, split: bool) -> None:
         """The runner over a KV cache of the layout and budget asked, and the scheduler that admits by it."""
-        if args.kv_layout not in ("paged", "contiguous"):
-            raise ValueError(f"kv_layout={args.kv_layout!r}: expected 'paged' or 'contiguous'")
+        if args.kv_layout not in ("auto", "paged", "contiguous"):
+            raise ValueError(f"kv_layout={args.kv_layout!r}: expected 'auto', 'paged' or 'contiguous'")
         cfg, blocks = self.model.config, None
-        paged = args.kv_layout == "paged" and supports_fast_path(self.model)
+        paged = (args.kv_layout == "paged" or args.kv_layout == "auto" and kv_budget(args.kv_cache_gb, self.device)[0]
+                 is not None) and supports_fast_path(self.model)
         if paged:
             self.max_running = args.max_running_requests
             blocks = (kv_blocks_that_fit(args.kv_cache_gb, cfg, self.context_length, args.kv_block_size,

@@ -124,25 +124,32 @@ class SlotKVCache:
 
 
 class PagedKVCache:
-    """`k`, `v`: [layers, blocks, block_size, kv_heads, head_dim]. Position p of a sequence holding
-    blocks B lives in row B[p // block_size] * block_size + p % block_size of a layer's flat view."""
+    """`k`, `v`: [layers, blocks, kv_heads, block_size, head_dim]: a block holds each KV head's
+    positions contiguously, so that gathering a sequence's blocks head by head gives the
+    [kv_heads, positions, head_dim] layout attention reads, with no copy after the gather. Position p
+    of KV head h of a sequence holding blocks B is row (B[p // block_size] * kv_heads + h) *
+    block_size + p % block_size of a layer's `flat` view."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
         # zeros, not empty: a padded read past a row's length must see finite values (masked to 0)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.block_size = block_size
+        self.block_size, self.num_kv_heads = block_size, num_kv_heads
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[blocks * kv_heads, block_size, head_dim] views of a layer: page b * kv_heads + h is KV
+        head h of block b."""
+        return self.k[layer].flatten(0, 1), self.v[layer].flatten(0, 1)
+
     def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[blocks * block_size, kv_heads, head_dim] views of a layer."""
-        k, v = self.k[layer], self.v[layer]
-        return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+        """[blocks * kv_heads * block_size, head_dim] views of a layer."""
+        return self.k[layer].flatten(0, 2), self.v[layer].flatten(0, 2)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.k[:, dst] = self.k[:, src]

@@ -39,9 +39,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache memory, any device (default: 85%% of an accelerator's free memory after the "
                         "weights; CPU: --max-running-requests full contexts)")
-    p.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"],
+    p.add_argument("--kv-layout", default="auto", choices=["auto", "paged", "contiguous"],
                    help="paged: blocks allocated as sequences grow (memory by tokens held); contiguous: one "
-                        "full-context slot a running sequence")
+                        "full-context slot a running sequence; auto: paged under a KV budget (--kv-cache-gb, or "
+                        "an accelerator's memory), else contiguous (CPU: the same memory, read in place)")
     p.add_argument("--kv-block-size", type=int, default=16, help="positions a KV block (paged)")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")

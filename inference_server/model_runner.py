@@ -293,44 +293,48 @@ class PagedDecoderRunner(DecoderRunner):
         self._workspace = threading.local()        # cpu_split runs two parts at once: one each
         self.workspace_positions = WORKSPACE_POSITIONS
 
-    def _gather(self, flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
-        """Blocks `idx` of a layer's flat keys (which=0) or values (1), in order, into this thread's
-        workspace: [len(idx) * block_size, kv_heads, head_dim]."""
+    def _gather(self, pages: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
+        """Pages `idx` of a layer's keys (which=0) or values (1), in order, into this thread's
+        workspace: [len(idx), block_size, head_dim]."""
         buffers = self._workspace.__dict__.setdefault("buffers", {})
-        n = idx.numel() * self.block_size
         ws = buffers.get(which)
-        if ws is None or ws.shape[0] < n:
-            ws = buffers[which] = flat.new_empty((max(n, 2 * (0 if ws is None else ws.shape[0])), *flat.shape[1:]))
-        out = ws[:n]
-        torch.index_select(flat.view(-1, self.block_size, *flat.shape[1:]), 0, idx,
-                           out=out.view(-1, self.block_size, *flat.shape[1:]))
-        return out
+        if ws is None or ws.shape[0] < idx.numel():
+            ws = buffers[which] = pages.new_empty((max(idx.numel(), 2 * (0 if ws is None else ws.shape[0])),
+                                                   *pages.shape[1:]))
+        return torch.index_select(pages, 0, idx, out=ws[:idx.numel()])
 
     def _table(self, seqs: list[Sequence], nb: int) -> torch.Tensor:
-        """[len(seqs), nb] block ids: each row's first nb blocks, padded with block 0 (masked)."""
-        rows = [s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in seqs]
-        return torch.tensor(rows, device=self.device).flatten()
+        """The pages to gather for rows `seqs`, row by row, KV head by head, block by block: each
+        row's first nb blocks, padded with block 0 (masked)."""
+        rows = torch.tensor([s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in seqs], device=self.device)
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        return (rows[:, None, :] * self.num_kv_heads + heads[None, :, None]).flatten()
 
     def _writes(self, decode, pos, spans, copies) -> tuple[torch.Tensor, torch.Tensor]:
-        """(token rows, pool rows): where this step's keys and values go. A copy (a newcomer with
-        the same tokens as an earlier one this step) takes that one's full blocks by reference and
-        writes only its last, partial block."""
-        bs, src, dst = self.block_size, [], []
+        """(rows of k.flatten(0, 1), rows of the flat pool): where this step's keys and values go,
+        every KV head of every token. A copy (a newcomer with the same tokens as an earlier one this
+        step) takes that one's full blocks by reference and writes only its last, partial block."""
+        bs, kvh, src, base = self.block_size, self.num_kv_heads, [], []
+
+        def at(s: Sequence, p: int) -> int:           # head 0's row of position p
+            return s.blocks[p // bs] * kvh * bs + p % bs
         for i, s in enumerate(decode):
             src.append(i)
-            dst.append(s.blocks[pos[i] // bs] * bs + pos[i] % bs)
+            base.append(at(s, pos[i]))
         for s, start, n in spans:
             src += range(start, start + n)
-            dst += [s.blocks[p // bs] * bs + p % bs for p in range(n)]
+            base += [at(s, p) for p in range(n)]
         for s, i in copies:
             first, start, n = spans[i]
             full = n // bs
             self.blocks.free(s.blocks[:full])
             s.blocks[:full] = self.blocks.ref(first.blocks[:full])
             src += range(start + full * bs, start + n)
-            dst += [s.blocks[p // bs] * bs + p % bs for p in range(full * bs, n)]
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)
-        return t(src), t(dst)
+            base += [at(s, p) for p in range(full * bs, n)]
+        heads = torch.arange(kvh, dtype=torch.long, device=self.device)
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        base_t = torch.tensor(base, dtype=torch.long, device=self.device)
+        return (src_t[:, None] * kvh + heads).flatten(), (base_t[:, None] + heads * bs).flatten()
 
     def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
         b, bs = len(decode), self.block_size
@@ -345,12 +349,12 @@ class PagedDecoderRunner(DecoderRunner):
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
             kf, vf = self.kv.flat(layer)
-            kf.index_copy_(0, dst, k.index_select(0, src))
-            vf.index_copy_(0, dst, v.index_select(0, src))
+            kf.index_copy_(0, dst, k.flatten(0, 1).index_select(0, src))
+            vf.index_copy_(0, dst, v.flatten(0, 1).index_select(0, src))
+            kp, vp = self.kv.pages(layer)
             for (start, end, longest, mask), idx in zip(planned, tables):
-                rows = end - start
-                ks, vs = (self._gather(f, idx, w).view(rows, -1, self.num_kv_heads, self.head_dim)[:, :longest].transpose(1, 2)
-                          for w, f in ((0, kf), (1, vf)))
+                ks, vs = (self._gather(pages, idx, w).view(end - start, self.num_kv_heads, -1, self.head_dim)[:, :, :longest]
+                          for w, pages in ((0, kp), (1, vp)))
                 self._decode_attention(out, q, start, end, ks, vs, mask)
             self._prefill_attention(out, q, k, v, spans)
             return out.flatten(1)

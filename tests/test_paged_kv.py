@@ -1,4 +1,4 @@
-"""The paged KV cache (the default layout): the same tokens and logprobs as the contiguous slot cache
+"""The paged KV cache (the default under a KV budget): the same tokens and logprobs as the contiguous slot cache
 on mixed batches (prefill + decode, a GRPO group's shared prompt, aborts, a retract and resume,
 sequences preempted when blocks run out), no block leaked over thousands of requests, and a KV
 budget that is honoured and checked before anything starts."""
@@ -15,6 +15,7 @@ from inference_server.sequence import SamplingParams, Sequence
 
 
 def engine(model, **kw) -> Engine:
+    kw.setdefault("kv_layout", "paged")
     return Engine(EngineArgs(model, context_length=256, cpu_split=False, **kw))
 
 
@@ -159,6 +160,18 @@ def test_the_kv_budget_is_honoured_and_one_too_small_is_refused_before_anything_
         engine(tiny_model, kv_cache_gb=100 * per_token / 2**30)     # not one sequence at context 256
     with pytest.raises(ValueError, match="kv_layout"):
         engine(tiny_model, kv_layout="ring")
+    assert engine(tiny_model, kv_layout="auto", kv_cache_gb=0.01).scheduler.blocks is not None   # a budget: paged
+    assert engine(tiny_model, kv_layout="auto").scheduler.blocks is None      # CPU, no budget: contiguous slots
+
+
+def test_a_server_whose_kv_budget_cannot_hold_one_sequence_says_so_and_exits(tiny_model, tmp_path):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "inference_server", "--model-path", tiny_model, "--port", "0",
+                           "--context-length", "1024", "--kv-cache-gb", "0.0001"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "--kv-cache-gb" in done.stderr and "context 1024" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_the_block_allocator_refuses_what_would_corrupt_it():

@@ -1,4 +1,5 @@
-"""The embedded server over real HTTP on loopback, with a tiny model, against plain transformers."""
+"""The embedded server over real HTTP on loopback, with a tiny model, against plain transformers.
+Every test on `server` runs twice: with the default KV layout (contiguous on CPU) and the paged one."""
 import asyncio
 import json
 import threading
@@ -9,6 +10,13 @@ import pytest
 import torch
 
 from tests.conftest import start_server
+
+
+@pytest.fixture(scope="module", params=["default", "paged"])
+def server(request, tiny_model, tmp_path_factory):
+    srv = start_server(tiny_model, tmp_path_factory, *(["--kv-layout", "paged"] if request.param == "paged" else []))
+    yield srv
+    srv.stop()
 
 
 def generate(server, **body):
