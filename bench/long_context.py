@@ -99,7 +99,7 @@ def serve(name: str, model: Path, a, scratch: Path):
     if name == "vllm":
         with vllm_server(ensure_vllm(scratch), model, a.concurrency, scratch / "vllm_long_context.log",
                          extra=("--max-model-len", str(a.context)),
-                         extra_env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_gb:g}"}) as (url, _):
+                         extra_env={"VLLM_CPU_KVCACHE_SPACE": f"{a.kv_gb:g}"}, log_stats=True) as (url, _):
             yield url, "tiny", "vllm"
         return
     layout = "contiguous" if name == "riptide_contiguous" else "paged"

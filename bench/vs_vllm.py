@@ -115,7 +115,7 @@ async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dic
 
 @contextlib.contextmanager
 def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bind: str = "", timeout_s: float = 600,
-                extra: tuple[str, ...] = (), extra_env: dict | None = None):
+                extra: tuple[str, ...] = (), extra_env: dict | None = None, log_stats: bool = False):
     import httpx
 
     from inference_server.process import free_port, vllm_env
@@ -128,7 +128,7 @@ def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bin
             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(concurrency),
-           "--seed", "0", "--served-model-name", "tiny", "--disable-log-stats", *extra]
+           "--seed", "0", "--served-model-name", "tiny", *([] if log_stats else ["--disable-log-stats"]), *extra]
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
