@@ -114,6 +114,10 @@ class ServerConfig:
     context_length: int = f(0, "tokens per sequence (prompt + response); 0: the model's max_position_embeddings")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
     dtype: str = f("auto", "auto | float32 | bfloat16 | float16")
+    kv_cache_gb: float = f(0.0, "KV cache memory of each server (0: 85% of an accelerator's free memory after the "
+                                "weights; CPU: max_running_requests full contexts)")
+    kv_layout: str = f("auto", "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
+                               "(blocks by tokens held) | contiguous (a full-context slot a sequence)")
     api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
                          "the job starts servers off loopback); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
@@ -135,6 +139,9 @@ class ServerConfig:
              f"server off loopback needs one; give server.api_key or set {API_KEY_ENV}"),
             (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
+            (self.kv_cache_gb >= 0, f"server.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0: the device's default)"),
+            (self.kv_layout in ("auto", "paged", "contiguous"),
+             f"server.kv_layout={self.kv_layout!r}: use auto, paged or contiguous"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
             (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0"),

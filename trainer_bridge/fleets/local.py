@@ -44,7 +44,10 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
     """`log_dir`: where the servers keep their commit records under weight_sync.audit."""
     args = ["--max-running-requests", str(server.max_running_requests), "--context-length",
             str(server.context_length), "--device", server.device, "--dtype", server.dtype, "--seed", str(seed),
-            "--weight-version", str(version), "--weight-sync-protocol", weight_sync.protocol]
+            "--weight-version", str(version), "--weight-sync-protocol", weight_sync.protocol,
+            "--kv-layout", server.kv_layout]
+    if server.kv_cache_gb:
+        args += ["--kv-cache-gb", str(server.kv_cache_gb)]
     if weight_sync.device_name:
         args += ["--weight-sync-device", weight_sync.device_name]
     if peer:
