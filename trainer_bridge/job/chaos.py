@@ -48,7 +48,8 @@ class SoakConfig:
     seed: int = 0
     fault_window_s: float = 1200.0       # faults start in the first this-many seconds
     mean_gap_s: float = 30.0             # mean time between faults (exponential gaps)
-    max_faults: int | None = None        # no more faults once this many landed (None: the window decides)
+    max_faults: int | None = None        # no more faults once this many landed, and (time-driven) the window
+                                         # closes then (None: the window's time decides)
     tail_steps: int = 50                 # time-driven: steps run after the window closes, without faults
     kinds: tuple[str, ...] = KINDS
     servers: int = 2
@@ -172,7 +173,9 @@ class Soak:
                 "problems": report["problems"][:20]}
 
     def _window_closed(self) -> bool:
-        return time.monotonic() - self.t0 >= self.cfg.fault_window_s
+        """The window's time is up, or max_faults have landed."""
+        landed = self.cfg.max_faults is not None and sum(self.injected.values()) >= self.cfg.max_faults
+        return landed or time.monotonic() - self.t0 >= self.cfg.fault_window_s
 
     def _life(self) -> int:
         """One run of the job until it exits, faults landing on it meanwhile; its exit code."""
