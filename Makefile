@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml Makefile
 		echo "installing Debian's libibverbs1 (needed by the Mooncake transfer engine)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
 	fi
+	@if [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null && ! command -v cc >/dev/null; then \
+		echo "installing Debian's gcc (builds the paged KV cache's CPU attention kernel)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; \
+	fi
 	@[ -x $(PY) ] || python3 -m venv .venv
 	@# A CPU machine gets the pinned CPU wheel; a machine that already has torch keeps it.
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)

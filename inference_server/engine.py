@@ -70,7 +70,7 @@ class EngineArgs:
                                            # sequence; "auto": paged under a KV budget (kv_cache_gb, or an
                                            # accelerator's memory), else (CPU) contiguous
     kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU max_running contexts)
-    kv_block_size: int = 16                # positions a block (paged)
+    kv_block_size: int = 0                 # positions a block (paged); 0: 128 on CPU, 16 on an accelerator
 
 
 @dataclass
@@ -163,8 +163,13 @@ class Engine:
                  is not None) and supports_fast_path(self.model)
         if paged:
             self.max_running = args.max_running_requests
-            blocks = (kv_blocks_that_fit(args.kv_cache_gb, cfg, self.context_length, args.kv_block_size,
-                                         self.max_running, self.dtype, self.device), args.kv_block_size)
+            # on CPU attention reads a block at a time from wherever it lies (paged_attention.c): 128
+            # positions (32 KiB a KV head of a 64-wide fp32 head) streamed 1.5x faster than 16 there
+            size = args.kv_block_size or (128 if self.device.type == "cpu" else 16)
+            if size < 0:
+                raise ValueError(f"kv_block_size={args.kv_block_size}: expected positions a block (> 0), or 0 for the default")
+            blocks = (kv_blocks_that_fit(args.kv_cache_gb, cfg, self.context_length, size,
+                                         self.max_running, self.dtype, self.device), size)
         else:
             self.max_running = kv_slots_that_fit(args.max_running_requests, cfg, self.context_length, self.dtype,
                                                  self.device, args.kv_cache_gb)

@@ -43,7 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="paged: blocks allocated as sequences grow (memory by tokens held); contiguous: one "
                         "full-context slot a running sequence; auto: paged under a KV budget (--kv-cache-gb, or "
                         "an accelerator's memory), else contiguous (CPU: the same memory, read in place)")
-    p.add_argument("--kv-block-size", type=int, default=16, help="positions a KV block (paged)")
+    p.add_argument("--kv-block-size", type=int, default=0,
+                   help="positions a KV block (paged); 0 (default): 128 on CPU, 16 on an accelerator")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="CPU device: torch threads of a model step (default: OMP_NUM_THREADS if set, else cores - 1, at least 1)")
     p.add_argument("--no-cpu-split", dest="cpu_split", action="store_false",

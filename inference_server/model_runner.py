@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from inference_server.blocks import BlockAllocator
 from inference_server.kv_cache import PagedKVCache, SlotKVCache
+from inference_server.paged_kernel import decode_kernel, paged_decode
 from inference_server.sequence import Sequence
 
 _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -292,6 +293,8 @@ class PagedDecoderRunner(DecoderRunner):
                                self.dtype, self.device)
         self._workspace = threading.local()        # cpu_split runs two parts at once: one each
         self.workspace_positions = WORKSPACE_POSITIONS
+        # decode attention read in place from the blocks (paged_attention.c) where it can be built
+        self.kernel = decode_kernel(self.device, self.dtype) if self.kv_group <= 64 and self.head_dim <= 512 else None
 
     def _gather(self, pages: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
         """Pages `idx` of a layer's keys (which=0) or values (1), in order, into this thread's
@@ -337,6 +340,8 @@ class PagedDecoderRunner(DecoderRunner):
         return (src_t[:, None] * kvh + heads).flatten(), (base_t[:, None] + heads * bs).flatten()
 
     def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
+        if self.kernel is not None:
+            return self._attention_in_place(decode, pos, spans, copies)
         b, bs = len(decode), self.block_size
         planned = []
         for start, end, longest, mask in (self._decode_chunks(chunks, slot0, pos, positions[:b]) if b else []):
@@ -356,6 +361,28 @@ class PagedDecoderRunner(DecoderRunner):
                 ks, vs = (self._gather(pages, idx, w).view(end - start, self.num_kv_heads, -1, self.head_dim)[:, :, :longest]
                           for w, pages in ((0, kp), (1, vp)))
                 self._decode_attention(out, q, start, end, ks, vs, mask)
+            self._prefill_attention(out, q, k, v, spans)
+            return out.flatten(1)
+        return attend
+
+    def _attention_in_place(self, decode, pos, spans, copies):
+        """attend() whose decode rows read their keys and values from the blocks (the kernel), with
+        no gather and no padding: one call a layer for every decode row."""
+        b, bs = len(decode), self.block_size
+        nb = -(-(max(pos, default=0) + 1) // bs)
+        table = torch.tensor([s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in decode], dtype=torch.long)
+        lens = torch.tensor([p + 1 for p in pos[:b]], dtype=torch.long)
+        src, dst = self._writes(decode, pos, spans, copies)
+        threads = torch.get_num_threads()
+
+        def attend(layer, q, k, v):
+            out = torch.empty_like(q)
+            kf, vf = self.kv.flat(layer)
+            kf.index_copy_(0, dst, k.flatten(0, 1).index_select(0, src))
+            vf.index_copy_(0, dst, v.flatten(0, 1).index_select(0, src))
+            if b:
+                paged_decode(self.kernel, q[:b], self.kv.k[layer], self.kv.v[layer], table, lens, out[:b],
+                             self.scaling, threads)
             self._prefill_attention(out, q, k, v, spans)
             return out.flatten(1)
         return attend

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from inference_server.blocks import BlockAllocator
 from inference_server.engine import Engine, EngineArgs, PauseMode
@@ -16,6 +17,7 @@ from inference_server.sequence import SamplingParams, Sequence
 
 def engine(model, **kw) -> Engine:
     kw.setdefault("kv_layout", "paged")
+    kw.setdefault("kv_block_size", 16)               # small blocks: many of them, shared and freed at 16-token edges
     return Engine(EngineArgs(model, context_length=256, cpu_split=False, **kw))
 
 
@@ -77,8 +79,12 @@ def test_paged_gives_the_contiguous_caches_tokens_and_logprobs_on_mixed_batches(
                14: lambda e: e.pause(PauseMode.RETRACT),           # every KV block given back ...
                16: lambda e: e.resume()}                           # ... and re-prefilled
     got = {}
-    for layout in ("contiguous", "paged", "paged, small workspace"):
+    for layout in ("contiguous", "paged", "paged, gathered", "paged, small workspace"):
         e = engine(tiny_model, kv_layout=layout.split(",")[0], seed=3)
+        if layout == "paged":
+            assert e.runner.kernel is not None             # decode attention read in place (paged_attention.c)
+        if "," in layout:
+            e.runner.kernel = None                         # the fallback: blocks gathered into a workspace
         if layout.endswith("workspace"):
             e.runner.workspace_positions = 40              # a chunk of rows gathered in several calls
         waves = workload(0)
@@ -88,8 +94,8 @@ def test_paged_gives_the_contiguous_caches_tokens_and_logprobs_on_mixed_batches(
         if layout != "contiguous":
             assert e.stats.shared_prompt_tokens > 0                # the group's prompt was held once
             assert e.scheduler.blocks.num_free == e.scheduler.blocks.num_blocks
-    assert_same(got["paged"], got["contiguous"])
-    assert_same(got["paged, small workspace"], got["contiguous"])
+    for layout in ("paged", "paged, gathered", "paged, small workspace"):
+        assert_same(got[layout], got["contiguous"])
 
 
 def test_a_groups_prompt_blocks_are_held_once_by_reference(tiny_model):
@@ -187,3 +193,26 @@ def test_the_block_allocator_refuses_what_would_corrupt_it():
         a.ref(x[1:2])
     a.free(x[:1])
     assert a.num_free == 4
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (128, 1, 32), (40, 4, 8)])
+def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, group, block_size):
+    """paged_attention.c against SDPA over each row's blocks gathered in order: ragged rows (one
+    position, a partial last block, exactly full blocks), blocks in any order, one and three threads."""
+    from inference_server.paged_kernel import decode_kernel, paged_decode
+    fn = decode_kernel()
+    assert fn is not None, "the C kernel did not build (a C compiler is part of `make setup`)"
+    g = torch.Generator().manual_seed(head_dim)
+    kv_heads, lens = 2, torch.tensor([1, block_size, block_size + 1, 7 * block_size, 300, 33], dtype=torch.long)
+    most = int(-(-lens.max() // block_size))
+    kp, vp = (torch.randn(len(lens) * most + 3, kv_heads, block_size, head_dim, generator=g) for _ in range(2))
+    table = torch.randperm(kp.shape[0], generator=g)[:len(lens) * most].view(len(lens), most).contiguous()
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g)
+    want = torch.empty_like(q)
+    for r, n in enumerate(lens.tolist()):
+        k, v = (p[table[r]].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n] for p in (kp, vp))
+        want[r] = F.scaled_dot_product_attention(q[r].view(kv_heads, group, head_dim), k, v, scale=0.1).flatten(0, 1)
+    for threads in (1, 3):
+        out = torch.full_like(q, float("nan"))
+        paged_decode(fn, q, kp, vp, table, lens, out, 0.1, threads)
+        assert torch.allclose(out, want, atol=1e-5, rtol=1e-4), threads

@@ -1,0 +1,165 @@
+/* Decode attention read in place from a paged KV cache (fp32, CPU): what PagedDecoderRunner calls
+ * instead of gathering each row's blocks into a workspace and running SDPA there. Each row has one
+ * query token; the query heads that share a KV head are done together, block by block, with an
+ * online softmax (flash-decoding's recurrence), so each key and value is read once, from its block.
+ *
+ * Built by inference_server/paged_kernel.py with the machine's C compiler (no torch headers) and
+ * called through ctypes, which lets go of the GIL for the call.
+ *
+ * q:      [rows, heads, head_dim] (row stride q_row floats), heads = kv_heads * group
+ * kp, vp: [blocks, kv_heads, block_size, head_dim], one layer's keys and values
+ * table:  [rows, table_row] block ids, row r's first ceil(lens[r] / block_size) used
+ * lens:   [rows] key positions row r attends to (its own position + 1)
+ * out:    [rows, heads, head_dim] (row stride out_row floats)
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 512
+#define MAX_BLOCK 256
+#define MAX_THREADS 64
+
+typedef struct {
+    const float *q, *kp, *vp;
+    const int64_t *table, *lens;
+    float *out;
+    int64_t q_row, table_row, out_row, w0, w1;
+    int kv_heads, group, head_dim, block_size;
+    float scale;
+} job_t;
+
+/* e^x for x <= 0 (softmax after its max is taken away), vectorisable: x = n ln2 + f ln2, e^x =
+ * 2^n * 2^f with 2^f a degree-6 polynomial on [0, 1) (relative error ~2e-7). */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float t = x * 1.44269504088896341f, n = floorf(t), f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    union { int32_t i; float f; } u;
+    u.i = ((int32_t)n + 127) << 23;
+    return p * u.f;
+}
+
+/* One (row, KV head): its `group` query heads over the row's blocks. D is a constant in the
+ * specialised copies (64, 128), so a head's accumulator stays in registers across a block. */
+#define ONE_HEAD(NAME, DIM)                                                                        \
+    static void NAME(const job_t *j, int64_t r, int h, float *s) {                                  \
+        const int G = j->group, D = (DIM) ? (DIM) : j->head_dim, BS = j->block_size;                \
+        const float *qh = j->q + r * j->q_row + (int64_t)h * G * D;                                 \
+        const int64_t len = j->lens[r];                                                             \
+        float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_HEAD_DIM];                             \
+        for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }                                \
+        memset(acc, 0, sizeof(float) * G * D);                                                     \
+        for (int64_t b = 0; b * BS < len; b++) {                                                    \
+            const int n = (int)(len - b * BS < BS ? len - b * BS : BS);                             \
+            const int64_t page = j->table[r * j->table_row + b] * j->kv_heads + h;                  \
+            const float *kb = j->kp + page * BS * D, *vb = j->vp + page * BS * D;                   \
+            if ((b + 2) * BS < len) {               /* the next block's lines, while this one runs */ \
+                const int64_t next = j->table[r * j->table_row + b + 2] * j->kv_heads + h;          \
+                const char *kn = (const char *)(j->kp + next * BS * D), *vn = (const char *)(j->vp + next * BS * D); \
+                for (int c = 0; c < BS * D * 4; c += 64) {                                          \
+                    __builtin_prefetch(kn + c);                                                     \
+                    __builtin_prefetch(vn + c);                                                     \
+                }                                                                                   \
+            }                                                                                       \
+            for (int t = 0; t < n; t++)                                                             \
+                for (int g = 0; g < G; g++) {                                                       \
+                    const float *qg = qh + g * D, *kt = kb + t * D;                                 \
+                    float d = 0.f;                                                                  \
+                    _Pragma("omp simd reduction(+ : d)")                                            \
+                    for (int i = 0; i < D; i++) d += qg[i] * kt[i];                                 \
+                    s[g * BS + t] = d * j->scale;                                                   \
+                }                                                                                   \
+            for (int g = 0; g < G; g++) {                                                           \
+                float *sg = s + g * BS, mx = m[g], sum = 0.f;                                       \
+                for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;                           \
+                _Pragma("omp simd reduction(+ : sum)")                                              \
+                for (int t = 0; t < n; t++) { sg[t] = exp_neg(sg[t] - mx); sum += sg[t]; }          \
+                const float corr = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mx);                    \
+                float a[(DIM) ? (DIM) : MAX_HEAD_DIM], *ag = acc + g * D;                           \
+                for (int i = 0; i < D; i++) a[i] = ag[i] * corr;                                    \
+                for (int t = 0; t < n; t++) {                                                       \
+                    const float p = sg[t], *vt = vb + t * D;                                        \
+                    _Pragma("omp simd")                                                             \
+                    for (int i = 0; i < D; i++) a[i] += p * vt[i];                                  \
+                }                                                                                   \
+                for (int i = 0; i < D; i++) ag[i] = a[i];                                           \
+                l[g] = l[g] * corr + sum;                                                           \
+                m[g] = mx;                                                                          \
+            }                                                                                       \
+        }                                                                                           \
+        float *oh = j->out + r * j->out_row + (int64_t)h * G * D;                                   \
+        for (int g = 0; g < G; g++) {                                                               \
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;                                        \
+            for (int i = 0; i < D; i++) oh[g * D + i] = acc[g * D + i] * inv;                       \
+        }                                                                                           \
+    }
+
+ONE_HEAD(head_64, 64)
+ONE_HEAD(head_128, 128)
+ONE_HEAD(head_any, 0)
+
+static void *run(void *arg) {
+    const job_t *j = (const job_t *)arg;
+    float s[MAX_GROUP * MAX_BLOCK];
+    void (*head)(const job_t *, int64_t, int, float *) =
+        j->head_dim == 64 ? head_64 : j->head_dim == 128 ? head_128 : head_any;
+    for (int64_t w = j->w0; w < j->w1; w++) head(j, w / j->kv_heads, (int)(w % j->kv_heads), s);
+    return NULL;
+}
+
+/* Returns 0, or -1 for sizes it was not built for (the caller falls back). `threads` > 1 deals the
+ * (row, KV head) items to that many threads in runs of about equal key positions. */
+int riptide_paged_decode_f32(const float *q, int64_t q_row, const float *kp, const float *vp,
+                             const int64_t *table, int64_t table_row, const int64_t *lens, float *out,
+                             int64_t out_row, int64_t rows, int kv_heads, int group, int head_dim,
+                             int block_size, float scale, int threads) {
+    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK || group * head_dim > MAX_GROUP * MAX_HEAD_DIM)
+        return -1;
+    job_t base = {q, kp, vp, table, lens, out, q_row, table_row, out_row, 0, rows * kv_heads,
+                  kv_heads, group, head_dim, block_size, scale};
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads <= 1 || rows * kv_heads < 2) {
+        run(&base);
+        return 0;
+    }
+    const int64_t items = rows * kv_heads;
+    int64_t total = 0, c = 0;
+    for (int64_t r = 0; r < rows; r++) total += (lens[r] + 16) * kv_heads;
+    job_t jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0}, t = 0;
+    jobs[0] = base;
+    for (int64_t w = 0; w < items; w++) {          /* item w goes to the thread its middle falls in */
+        const int64_t cost = lens[w / kv_heads] + 16;
+        const int64_t tw = (c + cost / 2) * threads / total;
+        while (t < tw && t < threads - 1) {
+            jobs[t].w1 = w;
+            jobs[++t] = base;
+            jobs[t].w0 = w;
+        }
+        c += cost;
+    }
+    jobs[t].w1 = items;
+    while (++t < threads) {
+        jobs[t] = base;
+        jobs[t].w0 = jobs[t].w1 = items;
+    }
+    for (int t = 1; t < threads; t++)
+        started[t] = jobs[t].w1 > jobs[t].w0 && pthread_create(&tids[t], NULL, run, &jobs[t]) == 0;
+    run(&jobs[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else run(&jobs[t]);
+    }
+    return 0;
+}

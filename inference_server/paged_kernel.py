@@ -1,0 +1,107 @@
+"""The CPU paged-attention kernel (`paged_attention.c`): built once per machine with its C compiler,
+kept in a cache directory, loaded through ctypes. Where there is no compiler, or the build fails, or
+`RIPTIDE_PAGED_KERNEL=0`, `decode_kernel()` is None and the paged runner gathers blocks instead
+(same results, one more copy of the keys and values a step)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("riptide.paged_kernel")
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("RIPTIDE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "riptide")
+    return Path(root) / "kernels"
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return "\n".join([platform.machine(), *lines])
+
+
+def _build(compiler: str) -> Path:
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:        # built aside, then renamed in
+        part = Path(tmp) / out.name
+        subprocess.run([compiler, *FLAGS, "-o", str(part), str(SOURCE), "-lm"], check=True,
+                       capture_output=True, timeout=120)
+        os.replace(part, out)
+    return out
+
+
+def _load():
+    if os.environ.get("RIPTIDE_PAGED_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None:
+        log.warning("no C compiler: the paged KV cache gathers blocks for attention (slower)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("paged-attention kernel not built (%s%s): the paged KV cache gathers blocks instead",
+                    e, (": " + detail.decode(errors="replace")[-500:]) if detail else "")
+        return None
+    fn = lib.riptide_paged_decode_f32
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
+    fn.restype = i32
+    return fn
+
+
+def decode_kernel(device: torch.device | None = None, dtype: torch.dtype = torch.float32):
+    """The loaded kernel function for a cache on `device` in `dtype`, or None (not fp32 on a CPU, or
+    see the module's docstring). Built at most once a process."""
+    if (device is not None and torch.device(device).type != "cpu") or dtype != torch.float32:
+        return None
+    with _lock:
+        if "fn" not in _loaded:
+            _loaded["fn"] = _load()
+        return _loaded["fn"]
+
+
+def paged_decode(fn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, table: torch.Tensor,
+                 lens: torch.Tensor, out: torch.Tensor, scale: float, threads: int = 1) -> None:
+    """out[r] = attention of q[r] (one token: [heads, head_dim]) over row r's first lens[r] key
+    positions, read from pages kp, vp ([blocks, kv_heads, block_size, head_dim]) through
+    table[r] (block ids). fp32 CPU tensors; q and out may be row views of larger tensors."""
+    rows, heads, head_dim = q.shape
+    _, kv_heads, block_size, _ = kp.shape
+    if q.stride(2) != 1 or q.stride(1) != head_dim:
+        q = q.contiguous()
+    assert out.stride(1) == head_dim and out.stride(2) == 1, "out: rows of [heads, head_dim]"
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in (kp, vp, table, lens))
+    assert q.dtype == kp.dtype == vp.dtype == out.dtype == torch.float32 and table.dtype == lens.dtype == torch.int64
+    rc = fn(q.data_ptr(), q.stride(0), kp.data_ptr(), vp.data_ptr(), table.data_ptr(), table.stride(0),
+            lens.data_ptr(), out.data_ptr(), out.stride(0), rows, kv_heads, heads // kv_heads, head_dim,
+            block_size, scale, threads)
+    if rc != 0:
+        raise ValueError(f"paged-attention kernel: sizes it was not built for (group {heads // kv_heads}, "
+                         f"head_dim {head_dim}, block_size {block_size})")
