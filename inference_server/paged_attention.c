@@ -32,6 +32,102 @@ typedef struct {
     float scale;
 } job_t;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* out[j] = the sum of v[j]'s 16 lanes, j < 16: a transposing tree of shuffles and adds (45
+ * instructions for 16 sums, where one sum alone takes ~8). */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int k = 0; k < 8; k++)    /* each 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++)    /* each lane: its sums of v[4k .. 4k+3] */
+        b[k] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* s[j] = scale * q . k[j] for 16 consecutive keys (D a multiple of 16) */
+static inline void dots16(const float *q, const float *k, int D, float scale, float *s) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) {
+        const float *kj = k + j * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj));
+        for (int i = 16; i < D; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(kj + i), a);
+        acc[j] = a;
+    }
+    _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* e^(s[t] - mx) in place for t < n (n a multiple of 16), returning their sum: exp_neg's
+ * polynomial, 16 at a time, 2^n applied by scalef */
+static inline float exp_sum16(float *s, int n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.f), l2e = _mm512_set1_ps(1.44269504088896341f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int t = 0; t < n; t += 16) {
+        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), lo);
+        const __m512 y = _mm512_mul_ps(x, l2e);
+        const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_sub_ps(y, k);
+        __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+        p = _mm512_scalef_ps(p, k);
+        _mm512_storeu_ps(s + t, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+static inline float max16(const float *s, int n, float mx) {
+    __m512 m = _mm512_set1_ps(mx);
+    for (int t = 0; t < n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    return _mm512_reduce_max_ps(m);
+}
+
+/* acc[:D] = acc * corr + sum_t p[t] v[t] (D a multiple of 64): 64 columns at a time in registers */
+static inline void pv64(float *acc, const float *p, const float *v, int n, int D, float corr) {
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int i = 0; i < D; i += 64) {
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), c);
+        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 48), c);
+        for (int t = 0; t < n; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const float *vt = v + t * D + i;
+            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt), a0);
+            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 48), a3);
+        }
+        _mm512_storeu_ps(acc + i, a0);
+        _mm512_storeu_ps(acc + i + 16, a1);
+        _mm512_storeu_ps(acc + i + 32, a2);
+        _mm512_storeu_ps(acc + i + 48, a3);
+    }
+}
+#define DOTS16(D) ((D) % 16 == 0)
+#define VEC16(D, n) ((D) % 64 == 0 && (n) % 16 == 0)
+#else
+#define VEC16(D, n) 0
+static inline float exp_sum16(float *s, int n, float mx) { (void)s, (void)n, (void)mx; return 0.f; }
+static inline float max16(const float *s, int n, float mx) { (void)s, (void)n; return mx; }
+static inline void pv64(float *acc, const float *p, const float *v, int n, int D, float corr) {
+    (void)acc, (void)p, (void)v, (void)n, (void)D, (void)corr;
+}
+#define DOTS16(D) 0
+static inline void dots16(const float *q, const float *k, int D, float scale, float *s) {
+    (void)q, (void)k, (void)D, (void)scale, (void)s;
+}
+#endif
+
 /* e^x for x <= 0 (softmax after its max is taken away), vectorisable: x = n ln2 + f ln2, e^x =
  * 2^n * 2^f with 2^f a degree-6 polynomial on [0, 1) (relative error ~2e-7). */
 static inline float exp_neg(float x) {
@@ -63,15 +159,20 @@ static inline float exp_neg(float x) {
             const int n = (int)(len - b * BS < BS ? len - b * BS : BS);                             \
             const int64_t page = j->table[r * j->table_row + b] * j->kv_heads + h;                  \
             const float *kb = j->kp + page * BS * D, *vb = j->vp + page * BS * D;                   \
-            if ((b + 2) * BS < len) {               /* the next block's lines, while this one runs */ \
-                const int64_t next = j->table[r * j->table_row + b + 2] * j->kv_heads + h;          \
-                const char *kn = (const char *)(j->kp + next * BS * D), *vn = (const char *)(j->vp + next * BS * D); \
-                for (int c = 0; c < BS * D * 4; c += 64) {                                          \
-                    __builtin_prefetch(kn + c);                                                     \
-                    __builtin_prefetch(vn + c);                                                     \
+            const int64_t ahead = (b + 1) * BS < len ? j->table[r * j->table_row + b + 1] * j->kv_heads + h : page; \
+            const char *kn = (const char *)(j->kp + ahead * BS * D), *vn = (const char *)(j->vp + ahead * BS * D); \
+            int t0 = 0;                                                                             \
+            if (DOTS16(D))                                                                          \
+                for (; t0 + 16 <= n; t0 += 16) {                                                    \
+                    /* the next block's same keys and values (this one's on the last), while these run */ \
+                    for (int c = 0; c < 16 * D * 4; c += 64) {                                      \
+                        __builtin_prefetch(kn + t0 * D * 4 + c);                                    \
+                        __builtin_prefetch(vn + t0 * D * 4 + c);                                    \
+                    }                                                                               \
+                    for (int g = 0; g < G; g++)                                                     \
+                        dots16(qh + g * D, kb + t0 * D, D, j->scale, s + g * BS + t0);              \
                 }                                                                                   \
-            }                                                                                       \
-            for (int t = 0; t < n; t++)                                                             \
+            for (int t = t0; t < n; t++)                                                            \
                 for (int g = 0; g < G; g++) {                                                       \
                     const float *qg = qh + g * D, *kt = kb + t * D;                                 \
                     float d = 0.f;                                                                  \
@@ -81,6 +182,15 @@ static inline float exp_neg(float x) {
                 }                                                                                   \
             for (int g = 0; g < G; g++) {                                                           \
                 float *sg = s + g * BS, mx = m[g], sum = 0.f;                                       \
+                if (VEC16(D, n)) {                                                                  \
+                    mx = max16(sg, n, mx);                                                          \
+                    sum = exp_sum16(sg, n, mx);                                                     \
+                    const float corr = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mx);                \
+                    pv64(acc + g * D, sg, vb, n, D, corr);                                          \
+                    l[g] = l[g] * corr + sum;                                                       \
+                    m[g] = mx;                                                                      \
+                    continue;                                                                       \
+                }                                                                                   \
                 for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;                           \
                 _Pragma("omp simd reduction(+ : sum)")                                              \
                 for (int t = 0; t < n; t++) { sg[t] = exp_neg(sg[t] - mx); sum += sg[t]; }          \
