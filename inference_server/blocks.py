@@ -3,8 +3,18 @@
 A block holds `block_size` consecutive positions of one or more sequences' keys and values (several
 when a prompt's blocks are shared by reference: a GRPO group's samples hold their prompt once). A
 block returns to the free list when its last holder lets go.
+
+The prefix cache: a full block whose keys and values were computed under the weights of the
+current `epoch` (the engine's weights version) is remembered by its tokens and those of every
+block before it (`cache`). When its last holder lets go it is not freed but kept, least recently
+used first out, until a block is needed. A newcomer whose tokens begin with cached blocks takes them
+(`match`) and computes only the rest: a partial rollout resumed under the same weights, a
+preempted sequence re-admitted, a multi-turn request, the later samples of a group. A new epoch
+(new weights, or weights left torn: None) forgets every cached block.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 
 class OutOfBlocks(RuntimeError):
@@ -18,10 +28,19 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = list(range(num_blocks - 1, -1, -1))       # popped from the end: low ids first
         self._refs = [0] * num_blocks
+        self.epoch: int | None = None                 # the prefix cache is on while this is not None
+        self._cached: dict[int, int] = {}              # chain hash -> block
+        self._meta: dict[int, tuple[int, int, tuple]] = {}     # block -> (chain hash, block before it or -1, tokens)
+        self._idle: OrderedDict[int, None] = OrderedDict()     # cached blocks nobody holds, oldest first
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks `alloc` can hand out: free ones, and cached ones nobody holds (evicted on the way)."""
+        return len(self._free) + len(self._idle)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._meta)
 
     @property
     def capacity_tokens(self) -> int:
@@ -35,9 +54,9 @@ class BlockAllocator:
         return max(0, self.blocks_for(tokens) - len(held))
 
     def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"{n} KV blocks asked, {len(self._free)} of {self.num_blocks} free")
-        out = [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfBlocks(f"{n} KV blocks asked, {self.num_free} of {self.num_blocks} free")
+        out = [self._free.pop() if self._free else self._evict() for _ in range(n)]
         for b in out:
             self._refs[b] = 1
         return out
@@ -56,7 +75,77 @@ class BlockAllocator:
                 raise ValueError(f"KV block {b} freed twice")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                if b in self._meta:
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
 
     def refs(self, block: int) -> int:
         return self._refs[block]
+
+    # ---- the prefix cache --------------------------------------------------------------------
+    def set_epoch(self, epoch: int | None) -> None:
+        """The weights the keys and values are computed under now; a change forgets every cached block."""
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        for b in self._meta:
+            if b in self._idle:
+                self._free.append(b)
+        self._cached.clear()
+        self._meta.clear()
+        self._idle.clear()
+
+    def _chain(self, ids: list[int], n: int):
+        """(i, chain hash, tokens) of the first n full blocks of `ids`."""
+        h, bs = 0, self.block_size
+        for i in range(n):
+            chunk = tuple(ids[i * bs:(i + 1) * bs])
+            h = hash((h, chunk))
+            yield i, h, chunk
+
+    def cache(self, ids: list[int], blocks: list[int], valid: int) -> None:
+        """Remember the full blocks among a sequence's first `valid` positions (tokens `ids`, held
+        in `blocks`), computed under this epoch's weights."""
+        if self.epoch is None:
+            return
+        parent = -1
+        for i, h, chunk in self._chain(ids, min(valid // self.block_size, len(blocks))):
+            have = self._cached.get(h)
+            if have is None and blocks[i] not in self._meta:
+                self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk)
+                have = blocks[i]
+            elif have is None or self._meta[have][1:] != (parent, chunk):
+                return                                     # a hash shared by other tokens: stop here
+            parent = have
+
+    def match(self, ids: list[int]) -> list[int]:
+        """The cached blocks `ids` begins with (all but its last token at most: that one's logits
+        are computed), taken by reference."""
+        if self.epoch is None or not self._cached:
+            return []
+        out, parent = [], -1
+        for _, h, chunk in self._chain(ids, (len(ids) - 1) // self.block_size):
+            b = self._cached.get(h)
+            if b is None or self._meta[b][1:] != (parent, chunk):
+                break
+            out.append(b)
+            parent = b
+        for b in out:
+            if self._refs[b] == 0:
+                del self._idle[b]
+            self._refs[b] += 1
+        return out
+
+    def release(self, seq) -> None:
+        """A sequence lets go of its blocks; the full ones among its computed positions (all but
+        the last token's) stay cached if it computed them under this epoch."""
+        if seq.blocks and seq.kv_epoch is not None and seq.kv_epoch == self.epoch:
+            self.cache(seq.all_ids, seq.blocks, seq.num_tokens - 1)
+        self.free(seq.blocks)
+        seq.blocks, seq.cached = [], 0
+
+    def _evict(self) -> int:
+        b, _ = self._idle.popitem(last=False)
+        del self._cached[self._meta.pop(b)[0]]
+        return b

@@ -39,8 +39,8 @@ class SplitStepRunner:
         row_work = [w for start, end, longest in chunks for w in [longest + ROW_WORK] * (end - start)]
         groups: dict[tuple, list[int]] = {}     # newcomers with the same tokens stay together (computed once)
         for i, s in enumerate(prefill):
-            groups.setdefault(tuple(s.all_ids), []).append(i)
-        group_work = [(PREFILL_WORK * prefill[idx[0]].num_tokens, idx) for idx in groups.values()]
+            groups.setdefault((s.cached, *s.all_ids), []).append(i)
+        group_work = [(PREFILL_WORK * (prefill[idx[0]].num_tokens - prefill[idx[0]].cached), idx) for idx in groups.values()]
         total = sum(row_work) + sum(w for w, _ in group_work)
         if total < self.min_work or (b < self.min_rows and len(group_work) < 2):
             return self.runner.step(decode, prefill, sampler)

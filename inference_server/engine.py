@@ -66,6 +66,7 @@ class EngineArgs:
     cpu_threads: int | None = None         # CPU device: intra-op threads of a step (None: cores - 1)
     cpu_split: bool = True                 # CPU, 1 thread a step, >= 2 cores: big steps run as two halves
     prefix_share: bool = True              # a prompt already in the KV cache (a GRPO group's n samples) is shared, not prefilled
+    prefix_cache: bool = True              # paged: full blocks stay cached under the same weights (blocks.py)
     kv_layout: str = "auto"                # "paged": blocks by tokens held; "contiguous": a full-context slot a
                                            # sequence; "auto": paged under a KV budget (kv_cache_gb, or an
                                            # accelerator's memory), else (CPU) contiguous
@@ -209,7 +210,12 @@ class Engine:
         t0 = time.perf_counter()
         if self._slots_dirty:
             self._sort_slots()
+        blocks = self.scheduler.blocks
+        if blocks is not None:
+            self._set_kv_epoch(blocks)
         decode, prefill = self.scheduler.schedule()
+        for s in prefill:
+            s.kv_epoch = None if blocks is None else blocks.epoch
         if prefill and decode and self.args.prefix_share and isinstance(self._kv_runner, DecoderRunner):
             decode, prefill = self._share_prompts(decode, prefill)
         seqs = decode + prefill
@@ -218,18 +224,30 @@ class Engine:
         for s in prefill:
             s.prefill_version = self.version
         self._slots_dirty = self._slots_dirty or bool(prefill)
-        total = sum(s.num_tokens for s in prefill)
+        total = sum(s.num_tokens - s.cached for s in prefill)         # cached positions are not computed
         if prefill and getattr(self._kv_runner, "share_prompts", False):    # one step's duplicates are computed once
-            computed = sum({tuple(s.all_ids): s.num_tokens for s in prefill}.values())
+            computed = sum({(s.cached, *s.all_ids): s.num_tokens - s.cached for s in prefill}.values())
             self.stats.shared_prompt_tokens += total - computed
             total = computed
         self.stats.prompt_tokens += total
         self.stats.peak_running = max(self.stats.peak_running, len(seqs))
         tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
+        if blocks is not None and blocks.epoch is not None:
+            for s in prefill:              # its prompt's full blocks, for whoever comes with the same tokens
+                blocks.cache(s.all_ids, s.blocks, s.num_tokens)
         self._postprocess(seqs, tokens, logprobs)
         self.stats.steps += 1
         self.stats.generation_tokens += len(seqs)
         self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _set_kv_epoch(self, blocks) -> None:
+        """The prefix cache keeps blocks computed under the weights serving now; new weights (or
+        weights left torn) start it afresh, and running sequences' keys and values become mixed."""
+        epoch = self.version if self.args.prefix_cache and self.has_weights and not self.weights_torn else None
+        if epoch != blocks.epoch:
+            blocks.set_epoch(epoch)
+            for s in self.scheduler.all():
+                s.kv_epoch = None
 
     @property
     def _kv_runner(self):
@@ -245,7 +263,8 @@ class Engine:
         for d in decode:
             if d.prefill_version == self.version and d.slot is not None:
                 donors.setdefault(tuple(d.prompt_ids), d)
-        shared = [p for p in prefill if not p.output_ids and len(p.prompt_ids) > 1 and tuple(p.prompt_ids) in donors]
+        shared = [p for p in prefill if not p.output_ids and not p.cached and len(p.prompt_ids) > 1
+                  and tuple(p.prompt_ids) in donors]
         if not shared:
             return decode, prefill
         rest = [p for p in prefill if p not in shared]

@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-cpu-split", dest="cpu_split", action="store_false",
                    help="CPU with one torch thread a step: do not run big steps as two halves on two threads")
     p.add_argument("--no-prefix-share", dest="prefix_share", action="store_false",
-                   help="prefill every request's prompt, even one a running request already holds (for comparison)")
+                   help="prefill every prompt, even one a running request already holds (for comparison)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="paged: free a finished sequence's blocks instead of keeping them for the same tokens")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help=f"bearer token every endpoint but /health then requires (default: ${API_KEY_ENV}, which keeps "
                         f"it off the command line); required off loopback")
@@ -73,14 +75,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="append a JSON line per weight commit (version, update id, digest of the weights that "
                         "serve, when) and one for weights loaded at start, to this file (a directory: "
                         "commits-PORT.jsonl in it): the record an audit reads")
+    p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers, so a killed one leaves no server)")
-    p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
-    if a.max_running_requests < 1:
-        p.error("--max-running-requests must be >= 1")
-    if a.cpu_threads is not None and a.cpu_threads < 1:
-        p.error("--cpu-threads must be >= 1")
+    for flag, v in (("--max-running-requests", a.max_running_requests), ("--cpu-threads", a.cpu_threads)):
+        if v is not None and v < 1:
+            p.error(f"{flag} must be >= 1")
     if not is_loopback(a.host) and a.api_key is None:
         p.error(f"--host {a.host} is not a loopback address: off loopback every endpoint but /health needs a bearer "
                 f"token; set {API_KEY_ENV} (or --api-key)")
@@ -130,7 +131,7 @@ def make_engine(a: argparse.Namespace) -> Engine:
                              max_running_requests=a.max_running_requests, context_length=a.context_length,
                              max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                              weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
-                             prefix_share=a.prefix_share, kv_layout=a.kv_layout, kv_cache_gb=a.kv_cache_gb,
+                             prefix_share=a.prefix_share, prefix_cache=a.prefix_cache, kv_layout=a.kv_layout, kv_cache_gb=a.kv_cache_gb,
                              kv_block_size=a.kv_block_size,
                              load_weights=a.weights_from_peer is None and not a.no_weights))
 

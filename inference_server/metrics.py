@@ -24,6 +24,8 @@ class _EngineCollector:
             ("riptide_weight_updates", "Weight versions swapped in", s.weight_updates),
             ("riptide_preemptions", "Sequences preempted when KV blocks ran out (re-prefilled later)",
              e.scheduler.preemptions),
+            ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
+             e.scheduler.cached_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (

@@ -162,18 +162,18 @@ class DecoderRunner:
         b = len(decode)
         ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
         pos = list(pos)                              # extended below by the newcomers' positions
-        spans = []                                   # (seq, first row, length) of each newcomer
+        spans = []                                   # (seq, first row, rows) of each newcomer: its uncached positions
         copies = []                                  # (seq, span index): the same tokens as that newcomer
         first: dict[tuple, int] = {}
         for s in prefill:
-            key = tuple(s.all_ids)
+            key = (s.cached, *s.all_ids)
             if self.share_prompts and key in first:  # a GRPO group's samples: compute the prompt once
                 copies.append((s, first[key]))
                 continue
             first[key] = len(spans)
-            spans.append((s, len(ids), s.num_tokens))
-            ids += s.all_ids
-            pos += range(s.num_tokens)
+            spans.append((s, len(ids), s.num_tokens - s.cached))
+            ids += s.all_ids[s.cached:]
+            pos += range(s.cached, s.num_tokens)
         tokens = torch.tensor(ids, device=self.device)
         positions = torch.tensor(pos, device=self.device)
         attend = self._attention(decode, pos, slot0, chunks, positions, spans, copies)
@@ -326,14 +326,14 @@ class PagedDecoderRunner(DecoderRunner):
             base.append(at(s, pos[i]))
         for s, start, n in spans:
             src += range(start, start + n)
-            base += [at(s, p) for p in range(n)]
-        for s, i in copies:
+            base += [at(s, p) for p in range(s.cached, s.cached + n)]
+        for s, i in copies:                           # s.cached == first.cached: a multiple of bs
             first, start, n = spans[i]
-            full = n // bs
-            self.blocks.free(s.blocks[:full])
-            s.blocks[:full] = self.blocks.ref(first.blocks[:full])
-            src += range(start + full * bs, start + n)
-            base += [at(s, p) for p in range(full * bs, n)]
+            lo, full = s.cached // bs, (s.cached + n) // bs
+            self.blocks.free(s.blocks[lo:full])
+            s.blocks[lo:full] = self.blocks.ref(first.blocks[lo:full])
+            src += range(start + full * bs - s.cached, start + n)
+            base += [at(s, p) for p in range(full * bs, s.cached + n)]
         heads = torch.arange(kvh, dtype=torch.long, device=self.device)
         src_t = torch.tensor(src, dtype=torch.long, device=self.device)
         base_t = torch.tensor(base, dtype=torch.long, device=self.device)
@@ -361,9 +361,26 @@ class PagedDecoderRunner(DecoderRunner):
                 ks, vs = (self._gather(pages, idx, w).view(end - start, self.num_kv_heads, -1, self.head_dim)[:, :, :longest]
                           for w, pages in ((0, kp), (1, vp)))
                 self._decode_attention(out, q, start, end, ks, vs, mask)
-            self._prefill_attention(out, q, k, v, spans)
+            self._prefill_attention(out, q, k, v, spans, layer)
             return out.flatten(1)
         return attend
+
+    def _prefill_attention(self, out, q, k, v, spans, layer: int = 0) -> None:
+        """Newcomers with a cached prefix attend over it (read from their blocks, this step's keys
+        and values already written there) and over their own tokens, causally; the rest as usual."""
+        fresh = [span for span in spans if not span[0].cached]
+        super()._prefill_attention(out, q, k, v, fresh)
+        for s, start, n in spans:
+            if not s.cached:
+                continue
+            total = s.cached + n
+            idx = self._table([s], -(-total // self.block_size))
+            ks, vs = (pages.index_select(0, idx).view(self.num_kv_heads, -1, self.head_dim)[:, :total]
+                      for pages in self.kv.pages(layer))
+            seen = torch.arange(total, device=self.device)[None, :] <= torch.arange(s.cached, total, device=self.device)[:, None]
+            o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], ks[None], vs[None],
+                                               attn_mask=seen, scale=self.scaling, enable_gqa=True)
+            out[start:start + n] = o[0].transpose(0, 1)
 
     def _attention_in_place(self, decode, pos, spans, copies):
         """attend() whose decode rows read their keys and values from the blocks (the kernel), with
@@ -383,7 +400,7 @@ class PagedDecoderRunner(DecoderRunner):
             if b:
                 paged_decode(self.kernel, q[:b], self.kv.k[layer], self.kv.v[layer], table, lens, out[:b],
                              self.scaling, threads)
-            self._prefill_attention(out, q, k, v, spans)
+            self._prefill_attention(out, q, k, v, spans, layer)
             return out.flatten(1)
         return attend
 
@@ -400,8 +417,7 @@ class PagedDecoderRunner(DecoderRunner):
             self.kv.copy_block(donor.blocks[full], seq.blocks[full])
 
     def release(self, seq: Sequence) -> None:
-        self.blocks.free(seq.blocks)
-        seq.blocks = []
+        self.blocks.release(seq)
 
     def better_order(self, lengths: list[int]) -> list[int] | None:
         """Longest first whenever that makes decode attention cheaper: reordering copies nothing."""

@@ -9,7 +9,9 @@ fill. Each step first gives every running sequence the block its next token need
 is short, the most recently admitted sequences are preempted (their blocks freed; they wait at the
 head of the queue and re-prefill prompt + output when they run again, keeping what they generated)
 until the rest fit. A newcomer is admitted while its blocks fit with one block of room a running
-sequence left over, so that growth rarely has to preempt.
+sequence left over, so that growth rarely has to preempt. The blocks its tokens begin with that the
+prefix cache holds (blocks.py) it takes by reference, and computes only the rest; a sequence that
+lets go of its blocks leaves its full ones cached (a preempted one finds them again when it returns).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Scheduler:
         self._held = 0
         self.blocks: BlockAllocator | None = None
         self.preemptions = 0
+        self.cached_tokens = 0                  # prompt positions taken from the prefix cache
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,16 +84,20 @@ class Scheduler:
                 seq.blocks += self.blocks.alloc(n)
 
     def _take_blocks(self, seq: Sequence) -> bool:
-        n = self.blocks.blocks_for(seq.num_tokens)
-        if self.running and n + len(self.running) > self.blocks.num_free:
+        """Blocks for all of `seq`'s tokens, the cached ones its tokens begin with by reference
+        (`seq.cached` positions it need not compute), with one block of room a running sequence left."""
+        cached = self.blocks.match(seq.all_ids)
+        n = self.blocks.blocks_for(seq.num_tokens) - len(cached)
+        if n + len(self.running) > self.blocks.num_free:
+            self.blocks.free(cached)
             return False
-        if n > self.blocks.num_free:
-            return False
-        seq.blocks = self.blocks.alloc(n)
+        seq.blocks = cached + self.blocks.alloc(n)
+        seq.cached = len(cached) * self.blocks.block_size
+        self.cached_tokens += seq.cached
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq.blocks)
+        self.blocks.release(seq)
         seq.blocks, seq.slot, seq.status = [], None, SeqStatus.WAITING
         seq.num_retractions += 1
         self.preemptions += 1

@@ -216,3 +216,60 @@ def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, grou
         out = torch.full_like(q, float("nan"))
         paged_decode(fn, q, kp, vp, table, lens, out, 0.1, threads)
         assert torch.allclose(out, want, atol=1e-5, rtol=1e-4), threads
+
+
+def test_a_partial_rollout_resumed_under_the_same_weights_takes_its_blocks_from_the_prefix_cache(tiny_model):
+    """The rollout manager aborts a request mid-response and later sends prompt + partial output as
+    a new one. Under the same weights that one takes the full blocks the first computed from the
+    prefix cache and computes only the rest: the same greedy tokens and logprobs as a run never
+    interrupted. Under new weights nothing is reused (their keys and values would be stale)."""
+    prompt = list(range(300, 340))
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, ignore_eos=True, temperature=0.0)
+    whole = Sequence("whole", list(prompt), greedy(60))
+    run(engine(tiny_model), {0: [whole]})
+    e = engine(tiny_model)
+    first = Sequence("a", list(prompt), greedy(60))
+    run(e, {0: [first]}, {25: lambda e: e.abort("a")})
+    done = len(first.output_ids)
+    assert first.finish_reason["type"] == "abort" and 16 < done < 60
+    before = e.scheduler.cached_tokens
+    rest = Sequence("a-resumed", prompt + first.output_ids, greedy(60 - done))
+    run(e, {0: [rest]})
+    assert e.scheduler.cached_tokens - before == (len(prompt) + done - 1) // 16 * 16
+    assert first.output_ids + rest.output_ids == whole.output_ids
+    assert max(abs(x - y) for x, y in zip(first.output_logprobs + rest.output_logprobs, whole.output_logprobs)) < 1e-4
+    e.set_version(e.version + 1)                                  # new weights (here: the same ones, renamed)
+    before = e.scheduler.cached_tokens
+    run(e, {0: [Sequence("b", prompt + first.output_ids, greedy(3))]})
+    assert e.scheduler.cached_tokens == before
+    assert e.scheduler.blocks.num_free == e.scheduler.blocks.num_blocks
+
+
+def test_the_prefix_cache_keeps_full_blocks_until_needed_and_forgets_them_under_new_weights():
+    a = BlockAllocator(6, 4)
+    a.set_epoch(0)
+    ids = list(range(10))                              # 2 full blocks and 2 tokens
+    held = a.alloc(3)
+    a.cache(ids, held, 9)                              # positions 0-8 computed: blocks 0 and 1 are full
+    a.free(held)
+    assert a.num_free == 6 and a.num_cached == 2      # kept, but there for the taking
+    got = a.match(ids + [99])
+    assert got == held[:2] and a.refs(held[0]) == 1
+    assert a.match([0, 1, 2, 3, 7, 7, 7, 7, 1]) == held[:1]      # the second block's tokens differ
+    assert a.match([9, 9, 9, 9] + ids[4:9]) == []                  # the same second block after another first
+    assert a.match(ids[:4]) == []                                  # the last token is always computed
+    a.free(got)
+    a.free(held[:1])
+    assert a.num_free == 6
+    x = a.alloc(5)                                     # 4 free, then the least recently used cached one
+    assert a.num_cached == 1 and a.match(ids) == held[:1]
+    a.free(x + held[:1])
+    a.set_epoch(1)
+    assert a.num_cached == 0 and a.num_free == 6 and a.match(ids) == []
+    a.set_epoch(None)                                  # weights torn: nothing is cached
+    y = a.alloc(3)
+    a.cache(ids, y, 9)
+    a.free(y)
+    assert a.num_cached == 0
