@@ -84,10 +84,35 @@ def server_urls_of(row: dict) -> list[str]:
     return [f"http://{k.split('/', 2)[2]}" for k in row if k.startswith("fleet/tokens_per_s/")]
 
 
-def stranger_status(host, url: str, path: str) -> int:
-    code = (f"import httpx; print(httpx.request('{'GET' if path == '/health' else 'POST'}', '{url}{path}', "
-            f"json={{'text': 'hi'}}, timeout=20).status_code)")
-    return int(host.check_output([sys.executable, "-c", code], timeout=60).strip().splitlines()[-1])
+# A stranger on the network: started before the job with httpx imported, it waits for the servers' URLs on
+# stdin and then asks each for /generate (no key) and /health at once, so it asks while the job still runs.
+STRANGER = """
+import json, sys, httpx
+from concurrent.futures import ThreadPoolExecutor
+print("ready", flush=True)
+urls = json.loads(sys.stdin.readline())
+asks = [(u, p) for u in urls for p in ("/generate", "/health")]
+def ask(a):
+    u, p = a
+    return httpx.request("GET" if p == "/health" else "POST", u + p, json={"text": "hi"}, timeout=20).status_code
+with ThreadPoolExecutor(len(asks)) as pool:
+    codes = list(pool.map(ask, asks))
+print(json.dumps({u: [codes[2 * i], codes[2 * i + 1]] for i, u in enumerate(urls)}), flush=True)
+"""
+
+
+def start_stranger(host) -> subprocess.Popen:
+    """The stranger on `host`, ready for its URLs (one JSON line on stdin); killed by the hosts' close()."""
+    proc = subprocess.Popen(host.command([sys.executable, "-c", STRANGER]), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    host.procs.append(proc)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def stranger_statuses(proc: subprocess.Popen, urls: list[str]) -> dict[str, tuple[int, int]]:
+    out, _ = proc.communicate(json.dumps(urls) + "\n", timeout=60)
+    return {u: tuple(s) for u, s in json.loads(out.strip().splitlines()[-1]).items()}
 
 
 def test_a_job_across_three_hosts_with_the_model_only_on_the_trainers(ray_hosts):
@@ -97,19 +122,19 @@ def test_a_job_across_three_hosts_with_the_model_only_on_the_trainers(ray_hosts)
     cluster, hosts, data, logs = ray_hosts
     run_dir = data / "run-basic"
     assert hosts[1].check_output(["ls", "-A", str(data)]) == "", "a server's host sees none of the trainer's files"
+    stranger = start_stranger(hosts[2])
     job = hosts[0].run([str(BIN / "riptide-train"), "cluster=ray", f"cluster.address={cluster.head}",
-                        "server.num_servers=2", "trainer.steps=8", "trainer.checkpoint_every=4", "logger.wandb=false",
+                        "server.num_servers=2", "trainer.steps=16", "trainer.checkpoint_every=8", "logger.wandb=false",
                         f"model.path={data}/model", f"run_dir={run_dir}", "logger.progress=false"],
                        env=REAL, log_path=str(logs / "job-basic.log"), cwd=str(data))
     try:
-        urls = wait_for("the first metrics row", lambda: server_urls(run_dir), 300)
-        stranger = {u: (stranger_status(hosts[2], u, "/generate"), stranger_status(hosts[2], u, "/health"))
-                    for u in urls}
+        urls = wait_for("the first metrics row", lambda: server_urls(run_dir), 300, every_s=0.1)
+        stranger = stranger_statuses(stranger, urls)
         assert job.wait(timeout=600) == 0, (logs / "job-basic.log").read_text()[-3000:]
     finally:
         hosts[0].stop(job)
     summary = json.loads((logs / "job-basic.log").read_text().strip().splitlines()[-1])
-    assert summary["steps"] == 8
+    assert summary["steps"] == 16
     assert {u.split("//")[1].split(":")[0] for u in urls} == {hosts[1].addr, hosts[2].addr}
     assert all(s == (401, 200) for s in stranger.values()), stranger
     assert (run_dir / "checkpoints").is_dir() and sorted(p.name for p in (run_dir / "checkpoints").iterdir())
