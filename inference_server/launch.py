@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-layout", default="auto", choices=["auto", "paged", "contiguous"],
                    help="paged: blocks allocated as sequences grow (memory by tokens held); contiguous: one "
                         "full-context slot a running sequence; auto: paged under a KV budget (--kv-cache-gb, or "
-                        "an accelerator's memory), else contiguous (CPU: the same memory, read in place)")
+                        "an accelerator's memory) and on a CPU where its C kernel builds (fp32), else contiguous")
     p.add_argument("--kv-block-size", type=int, default=0,
                    help="positions a KV block (paged); 0 (default): 128 on CPU, 16 on an accelerator")
     p.add_argument("--cpu-threads", type=int, default=None,

@@ -155,7 +155,7 @@ def test_no_block_is_leaked_after_thousands_of_requests(tiny_model):
     assert blocks.num_free == blocks.num_blocks and all(blocks.refs(b) == 0 for b in range(blocks.num_blocks))
 
 
-def test_the_kv_budget_is_honoured_and_one_too_small_is_refused_before_anything_starts(tiny_model):
+def test_the_kv_budget_is_honoured_and_one_too_small_is_refused_before_anything_starts(tiny_model, monkeypatch):
     per_token = 2 * 2 * 2 * 32 * 4
     e = engine(tiny_model, kv_cache_gb=1000 * per_token / 2**30)
     assert e.scheduler.blocks.num_blocks == 1000 // 16
@@ -167,7 +167,9 @@ def test_the_kv_budget_is_honoured_and_one_too_small_is_refused_before_anything_
     with pytest.raises(ValueError, match="kv_layout"):
         engine(tiny_model, kv_layout="ring")
     assert engine(tiny_model, kv_layout="auto", kv_cache_gb=0.01).scheduler.blocks is not None   # a budget: paged
-    assert engine(tiny_model, kv_layout="auto").scheduler.blocks is None      # CPU, no budget: contiguous slots
+    assert engine(tiny_model, kv_layout="auto").scheduler.blocks is not None  # CPU, no budget, the C kernel: paged
+    monkeypatch.setattr("inference_server.engine.decode_kernel", lambda *a: None)
+    assert engine(tiny_model, kv_layout="auto").scheduler.blocks is None      # no kernel: the slots, faster then
 
 
 def test_a_server_whose_kv_budget_cannot_hold_one_sequence_says_so_and_exits(tiny_model, tmp_path):

@@ -1,5 +1,6 @@
 """The embedded server over real HTTP on loopback, with a tiny model, against plain transformers.
-Every test on `server` runs twice: with the default KV layout (contiguous on CPU) and the paged one."""
+Every test on `server` runs twice: with the contiguous KV layout and the paged one (the CPU default where
+its kernel builds)."""
 import asyncio
 import json
 import threading
@@ -12,9 +13,9 @@ import torch
 from tests.conftest import start_server
 
 
-@pytest.fixture(scope="module", params=["default", "paged"])
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
 def server(request, tiny_model, tmp_path_factory):
-    srv = start_server(tiny_model, tmp_path_factory, *(["--kv-layout", "paged"] if request.param == "paged" else []))
+    srv = start_server(tiny_model, tmp_path_factory, "--kv-layout", request.param)
     yield srv
     srv.stop()
 
