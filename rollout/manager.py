@@ -245,11 +245,14 @@ class RolloutManager:
         self.staleness.admit(self.running.get(sample.group_id, sample), self.trainer_version)
 
     # ---- the trainer's side ----------------------------------------------------------------------
-    async def next_batch(self) -> tuple[list[Group], dict]:
-        """Wait for `batch_size` groups that passed the filter and the staleness bound."""
+    async def next_batch(self, as_of: int | None = None) -> tuple[list[Group], dict]:
+        """Wait for `batch_size` groups that passed the filter and the staleness bound. `as_of`: the
+        version the batch trains, when the trainer takes it while that version's push is still in
+        flight (the bound is judged against it, as it will be once the push lands)."""
         t0, waited_from = time.monotonic(), None
+        version = self._as_of(as_of)
         while True:
-            ready, risky = self._batch_ready()
+            ready, risky = self._batch_ready(version)
             if ready:
                 break
             if waited_from is None and risky:
@@ -263,29 +266,37 @@ class RolloutManager:
         if waited_from is not None:
             self.metrics.waits_for_old += 1
             self.metrics.wait_for_old_s += time.monotonic() - waited_from
-        ordered = self.staleness.batch_order(self.ready, self.trainer_version)
+        ordered = self.staleness.batch_order(self.ready, version)
         groups, self.ready = ordered[:self.cfg.batch_size], collections.deque(ordered[self.cfg.batch_size:])
         self.consumed_groups += len(groups)
         for g in groups:
             for s in g.samples:
                 self.metrics.lengths.trained(s)
-                self.metrics.tokens_masked_old += self.staleness.mask_old(s, self.trainer_version)
+                self.metrics.tokens_masked_old += self.staleness.mask_old(s, version)
         self._filtered = 0
         self._notify()
         gauges = {"inflight": len(self.inflight), "groups_running": len(self.running), "groups_ready": len(self.ready)}
-        return groups, self._report(groups, self.trainer_version, time.monotonic() - t0, gauges)
+        return groups, self._report(groups, version, time.monotonic() - t0, gauges)
 
-    def batch_ready(self) -> bool:
-        """Whether next_batch would return now (the stale groups it would drop are dropped)."""
-        return self._batch_ready()[0]
+    def batch_ready(self, as_of: int | None = None) -> bool:
+        """Whether next_batch(as_of) would return now (the stale groups it would drop are dropped)."""
+        return self._batch_ready(self._as_of(as_of))[0]
 
-    def _batch_ready(self) -> tuple[bool, list]:
-        for group in [g for g in self.ready if not self.staleness.consumable(g, self.trainer_version)]:
+    def _as_of(self, as_of: int | None) -> int:
+        """The version a batch is judged against: the trainer's, or the next one, whose push is in flight."""
+        if as_of is None or as_of == self.trainer_version:
+            return self.trainer_version
+        if as_of != self.trainer_version + 1:
+            raise ValueError(f"next_batch(as_of={as_of}): the trainer is at version {self.trainer_version}; a batch "
+                             f"may be taken for it or for the next version only")
+        return as_of
+
+    def _batch_ready(self, version: int) -> tuple[bool, list]:
+        for group in [g for g in self.ready if not self.staleness.consumable(g, version)]:
             self.ready.remove(group)
             self._drop(group, DropReason.STALE)
-        risky = self.staleness.risky(self.running.values(), self.trainer_version)
-        ready = len(self.ready) >= self.cfg.batch_size and not self.staleness.waits_for_old(self.ready, risky,
-                                                                                           self.trainer_version)
+        risky = self.staleness.risky(self.running.values(), version)
+        ready = len(self.ready) >= self.cfg.batch_size and not self.staleness.waits_for_old(self.ready, risky, version)
         return ready, risky
 
     async def on_weights_updated(self, version: int, wait: bool = False, on_policy: bool = False) -> None:

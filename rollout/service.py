@@ -85,11 +85,11 @@ class RolloutService:
     async def start(self) -> None:
         await self.manager.start()
 
-    async def next_batch(self) -> tuple[list, dict]:
-        return await self.manager.next_batch()
+    async def next_batch(self, as_of: int | None = None) -> tuple[list, dict]:
+        return await self.manager.next_batch(as_of)
 
-    async def batch_ready(self) -> bool:
-        return self.manager.batch_ready()
+    async def batch_ready(self, as_of: int | None = None) -> bool:
+        return self.manager.batch_ready(as_of)
 
     async def on_weights_updated(self, version: int, on_policy: bool = False) -> None:
         await self.manager.on_weights_updated(version, on_policy=on_policy)

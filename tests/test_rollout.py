@@ -209,6 +209,28 @@ def test_staleness_bound_at_consumption(servers, tokenizer):
     assert_lengths_add_up(lengths)
 
 
+def test_a_batch_taken_while_its_version_is_pushed_is_judged_against_that_version(servers, tokenizer):
+    """weight_sync.overlap: the trainer takes batch v+1 while version v+1 still streams. Asked
+    as_of=v+1, the manager holds the groups to v+1's bound already: those that would be too old
+    once it lands are not handed out; as of the version it serves they would be."""
+    async def main():
+        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0,
+                    stale_policy="drop")
+        await m.start()
+        while len(m.ready) < 2:
+            await asyncio.sleep(0.05)
+        await m.stop()
+        v = max(s.versions[-1] for g in m.ready for s in g.samples)
+        m.trainer_version = v
+        assert m.batch_ready() and len(m.ready) == 2              # fresh for version v
+        with pytest.raises(ValueError, match="as_of=.*version"):
+            m.batch_ready(as_of=v + 2)                              # two versions ahead: a caller's bug
+        assert not m.batch_ready(as_of=v + 1)                      # too old for v + 1: dropped
+        return m
+    m = run(main())
+    assert not m.ready and m.metrics.drops["stale"] >= 2
+
+
 async def long_every_third(sample, ctx):
     """Sample 0 of every third prompt runs 400 tokens, the rest 8: a long tail that spans versions."""
     n = 400 if sample.index == 0 and int(sample.group_id[1:]) % 3 == 0 else 8

@@ -284,6 +284,9 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     first, best = rose([r["reward/mean"] for r in lines])
     assert best > first + 0.05, (first, best, result)
     assert all(r["staleness_max"] <= 1 for r in lines)
+    # weight_sync.overlap: most pushes streamed while the next step's passes ran, and no batch came
+    # out staler for it; the last step's push is waited for
+    assert sum(r["sync/overlapped"] for r in lines) >= 25 and lines[49]["sync/overlapped"] == 0
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s"):
         assert key in lines[-1]
@@ -328,6 +331,9 @@ def pids_running(word: str) -> list[int]:
 def test_resume_continues_steps_curve_and_data(tmp_path):
     first = train(tmp_path, "trainer.steps=4", "trainer.checkpoint_every=2")
     assert first.returncode == 0, first.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    # a checkpoint holds no batch taken ahead: the push before one is waited for (weight_sync.overlap)
+    assert rows[1]["sync/overlapped"] == rows[3]["sync/overlapped"] == 0
     ckpt = tmp_path / "run" / "checkpoints"
     saved = json.loads((ckpt / "step-000004" / "rollout_state.json").read_text())
     second = train(tmp_path, "trainer.steps=7", "trainer.resume=latest", "trainer.lr=0.004",

@@ -174,10 +174,13 @@ class RolloutBackend:
             engine=self.cfg.server.engine))
         self.rollout.call("start")
 
-    def next_batch(self, timeout_s: float | None = None) -> TrainBatch:
-        """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics."""
-        self._admit()
-        groups, metrics = self.rollout.call("next_batch", timeout_s=timeout_s)
+    def next_batch(self, timeout_s: float | None = None, as_of: int | None = None) -> TrainBatch:
+        """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics.
+        `as_of`: the version the batch will train, when its push is still in flight (push_in_background;
+        the staleness bound is judged against it)."""
+        if as_of is None:            # a push in flight admits and evicts servers itself
+            self._admit()
+        groups, metrics = self.rollout.call("next_batch", as_of, timeout_s=timeout_s)
         batch = Batch.from_groups(groups, self.tokenizer.pad_token_id)
         rewards = batch.rewards
         if self.cfg.overlong_buffer:
@@ -193,11 +196,11 @@ class RolloutBackend:
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
                           advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
 
-    def batch_ready(self) -> bool:
-        """Whether next_batch would return at once. A caller on another thread than the pushes polls
-        this before next_batch: a next_batch that waits holds the manager's channel, and a push
-        that the wait needs would queue behind it."""
-        return bool(self.rollout.call("batch_ready"))
+    def batch_ready(self, as_of: int | None = None) -> bool:
+        """Whether next_batch(as_of=as_of) would return at once. A caller on another thread than the
+        pushes polls this before next_batch: a next_batch that waits holds the manager's channel, and
+        a push that the wait needs would queue behind it."""
+        return bool(self.rollout.call("batch_ready", as_of))
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[Generation]:
         """One completion per prompt (token ids), sampled on the member servers spread round-robin:
@@ -228,6 +231,13 @@ class RolloutBackend:
         self.rollout.call("on_weights_updated", version, on_policy)
         self._admit()
         return stats
+
+    def push_in_background(self, model, version: int) -> "PushInFlight":
+        """push_weights(model, version) on a thread of its own, so the trainer can take the next batch
+        (next_batch(as_of=version), when one is ready) and run its forward and backward passes while
+        the weights stream. The model's weights must not change until the push is done: the caller
+        waits on it (PushInFlight.wait) before its next optimizer step."""
+        return PushInFlight(lambda: self.push_weights(model, version), version)
 
     def close(self) -> None:
         try:
@@ -375,6 +385,35 @@ class RolloutBackend:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class PushInFlight:
+    """A push on its own thread: wait() returns its PushStats, or raises what it raised, and tells
+    how long the caller waited (`waited_s`)."""
+
+    def __init__(self, push: Callable[[], object], version: int):
+        self.version, self.waited_s = version, 0.0
+        self._result: object = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(push,), name=f"push-v{version}", daemon=True)
+        self._thread.start()
+
+    def _run(self, push: Callable[[], object]) -> None:
+        try:
+            self._result = push()
+        except BaseException as e:       # noqa: BLE001  handed to the caller by wait()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self):
+        t0 = time.perf_counter()
+        self._thread.join()
+        self.waited_s += time.perf_counter() - t0
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def served_version(url: str, api_key: str | None = None) -> int | None:

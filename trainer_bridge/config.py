@@ -183,6 +183,10 @@ class WeightSyncConfig:
     delta: bool = f(False, "send each push after the first as the weights that changed, to every server that "
                            "serves the trainer's last push exactly (the rest get the whole weights); costs one copy "
                            "of the model in the servers' dtype on the trainer")
+    overlap: bool = f(True, "async: while a push streams, the trainer takes the next batch (when one is ready "
+                            "within the staleness bound of the pushed version) and runs its forward and backward "
+                            "passes; it waits for the push before the optimizer step (one trainer process only; "
+                            "never before a checkpoint)")
     audit: bool = f(False, "keep the records an audit of the run reads (bench/chaos.py): every push the trainer "
                            "starts (run_dir/logs/pushes.jsonl), every commit of each server (commits-PORT.jsonl in "
                            "run_dir/logs; local fleets of the embedded server), every trained sample's token "

@@ -15,7 +15,7 @@ import torch
 
 from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
-from trainer_bridge.backend import BackendConfig, RolloutBackend, in_background
+from trainer_bridge.backend import BackendConfig, PushInFlight, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
 from trainer_bridge.job.monitor import Monitor
@@ -198,6 +198,27 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
     monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
     watch, warm = Watch(monitor), KlWarmup(job, monitor)
     rewards, t_start, done = [], time.perf_counter(), first_step
+    # weight_sync.overlap: a step's push streams while the next step's forward and backward run
+    overlap = job.weight_sync.overlap and job.mode == "async" and lead.world == 1
+    pending: Pushed | None = None           # the last step, its push still in flight
+
+    def close(p: Pushed) -> None:
+        """The step's push done (waited for): its metrics logged, the step counted, a checkpoint due saved."""
+        nonlocal done, pending
+        if p is pending:
+            pending = None
+        sync = p.push.wait() if isinstance(p.push, PushInFlight) else p.push
+        seconds = {**p.seconds, "sync": p.seconds["sync"] + getattr(p.push, "waited_s", 0.0)}
+        warm.after_push(p.measure, p.step, trainer, p.batch, p.train)
+        metrics = {**step_metrics(p.batch, p.train, sync, seconds), "rollout/on_policy": float(p.measure),
+                   "sync/overlapped": float(isinstance(p.push, PushInFlight))}     # under the next step's passes
+        metrics.update(watch.check(p.step, p.batch, job.rollout.max_new_tokens))
+        monitor.log(p.step, metrics, p.batch.samples)
+        rewards.append(metrics["reward/mean"])
+        done = p.step + 1
+        if job.trainer.checkpoint_every and done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
+            save(done)
+
     try:
         backend.start(model, version=first_step)
         for step in range(first_step, job.trainer.steps):
@@ -205,24 +226,31 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
                 break
             IN_STEP.set()
             t0 = time.perf_counter()
-            batch = backend.next_batch()
+            if pending is not None and not backend.batch_ready(as_of=step):
+                close(pending)                     # no batch to train yet: the push lands first
+            batch = backend.next_batch(as_of=step if pending is not None else None)
             t1 = time.perf_counter()
             measure = warm.holding
             lead.train(step, batch, measure)
-            train = trainer.train_step(batch, keep_logprobs=measure)
+            last = pending
+            waited = last.push.waited_s if last is not None else 0.0
+            train = trainer.train_step(batch, keep_logprobs=measure,
+                                       before_update=(lambda: close(last)) if last is not None else None)
+            if pending is not None:
+                close(pending)
             t2 = time.perf_counter()
+            # the wait on the last push inside the step is the push's time (sync), not training's
+            seconds = {"wait": t1 - t0, "train": t2 - t1 - (last.push.waited_s - waited if last else 0.0)}
+            if overlap and not measure and step + 1 < job.trainer.steps and not STOP.is_set() and not (
+                    job.trainer.checkpoint_every and (step + 1) % job.trainer.checkpoint_every == 0):
+                push = backend.push_in_background(model, version=step + 1)
+                pending = Pushed(step, batch, train, measure, push, {**seconds, "sync": time.perf_counter() - t2})
+                continue
             sync = backend.push_weights(model, version=step + 1, on_policy=measure)
-            t3 = time.perf_counter()
-            warm.after_push(measure, step, trainer, batch, train)
-            metrics = {**step_metrics(batch, train, sync, {"wait": t1 - t0, "train": t2 - t1, "sync": t3 - t2}),
-                       "rollout/on_policy": float(measure)}
-            metrics.update(watch.check(step, batch, job.rollout.max_new_tokens))
-            monitor.log(step, metrics, batch.samples)
-            rewards.append(metrics["reward/mean"])
-            done = step + 1
+            close(Pushed(step, batch, train, measure, sync, {**seconds, "sync": time.perf_counter() - t2}))
             IN_STEP.clear()
-            if job.trainer.checkpoint_every and done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
-                save(done)
+        if pending is not None:
+            close(pending)
         if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
             path = save(done) if done > first_step else latest_checkpoint(run_dir)
             lead.stop()
@@ -235,6 +263,11 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
             monitor.note(note)
     finally:
         IN_STEP.clear()
+        if pending is not None:          # failing: the push in flight ends before the backend closes
+            try:
+                pending.push.wait()
+            except BaseException:        # noqa: BLE001  the failure under way is the one to report
+                pass
         # The curves are drawn while the servers and the rollout process stop (mostly waits).
         closed = in_background(backend.close, "backend-close")
         try:
@@ -242,6 +275,17 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
         finally:
             closed()
     return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
+
+
+@dataclasses.dataclass
+class Pushed:
+    """A trained step whose push may still stream (`push`: PushInFlight) or is done (its PushStats)."""
+    step: int
+    batch: TrainBatch
+    train: dict
+    measure: bool
+    push: object
+    seconds: dict
 
 
 class KlWarmup:

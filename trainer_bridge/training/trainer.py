@@ -23,6 +23,7 @@ import os
 import random
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -114,11 +115,14 @@ class GRPOTrainer:
         enabled = self.cfg.dtype == "bfloat16" and self.device.type != "cpu"
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
-    def train_step(self, batch: TrainBatch, keep_logprobs: bool = False) -> dict:
+    def train_step(self, batch: TrainBatch, keep_logprobs: bool = False,
+                   before_update: Callable[[], object] | None = None) -> dict:
         """One trainer step over the batch: `ppo_epochs` passes, each in mini-batches of
         `ppo_mini_batch_size` rows (one optimizer step each); returns the step's training metrics,
         token-weighted means over every update. `keep_logprobs`: keep the logprobs of the weights
-        before the step, for `update_kl` (every rank, when sharded)."""
+        before the step, for `update_kl` (every rank, when sharded). `before_update`: called once,
+        before the first optimizer step changes the weights (a push of them still in flight waits
+        there)."""
         t0 = time.perf_counter()
         self.model.train()
         n = batch.input_ids.shape[0]
@@ -157,6 +161,9 @@ class GRPOTrainer:
                 norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
                 norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+                if before_update is not None:
+                    before_update, call = None, before_update
+                    call()
                 self.optimizer.step()
         sums = self._all_ranks_sum(sums)
         if before is not None and before is not proximal and self.world > 1:
