@@ -264,7 +264,8 @@ def main() -> None:
     p.add_argument("--update-policy", default="abort_furthest")
     p.add_argument("--lr", type=float, default=5e-4,
                    help="both modes' learning rate (configs/: 1e-3; why 5e-4 here: the docstring)")
-    p.add_argument("--order", default="sync,async", help="run order within a seed, e.g. async,sync")
+    p.add_argument("--order", default="sync,async",
+                   help="run order within a seed, e.g. async,sync; one mode alone prints only its final rewards")
     p.add_argument("--curve-every", type=int, default=5, help="steps per point of the reward curves")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override (repeatable)")
     p.add_argument("--threads", type=int, default=1,
@@ -310,6 +311,11 @@ def main() -> None:
         else:
             print(f"run dirs kept in {root}", file=sys.stderr, flush=True)
 
+    if sorted(args.order.split(",")) != ["async", "sync"]:     # one mode only (a screen): each seed's final reward
+        print(json.dumps({"final_rewards": {w: {mode: [p[mode]["result"]["last_reward"] for p in pairs]
+                                                for mode in args.order.split(",")}
+                                            for w, pairs in by_workload.items()}}), flush=True)
+        return
     tasks = {w: summarize(pairs, args.curve_every) for w, pairs in by_workload.items()}
     head = tasks[workloads[0]]
     pairs = by_workload[workloads[0]]

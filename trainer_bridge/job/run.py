@@ -205,9 +205,9 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
     def close(p: Pushed) -> None:
         """The step's push done (waited for): its metrics logged, the step counted, a checkpoint due saved."""
         nonlocal done, pending
-        if p is pending:
-            pending = None
         sync = p.push.wait() if isinstance(p.push, PushInFlight) else p.push
+        if p is pending:            # (not before: a push that failed, or a wait cut by a signal, is waited for in finally)
+            pending = None
         seconds = {**p.seconds, "sync": p.seconds["sync"] + getattr(p.push, "waited_s", 0.0)}
         warm.after_push(p.measure, p.step, trainer, p.batch, p.train)
         metrics = {**step_metrics(p.batch, p.train, sync, seconds), "rollout/on_policy": float(p.measure),
