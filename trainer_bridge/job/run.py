@@ -186,95 +186,113 @@ def _train(job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTraine
            first_step: int) -> dict:
     """Rank 0's steps from `first_step`: a batch, a train step (every rank), a push; checkpoints;
     a signal ends it after the step under way, saved."""
-    ckpt_dir, saved_step = run_dir / "checkpoints", None
+    return Steps(job, lead, run_dir, model, trainer, backend, first_step).run()
 
-    def save(step: int) -> Path:
-        nonlocal saved_step
-        lead.save(step, ckpt_dir)
-        path = trainer.save(ckpt_dir, step, backend.state_dict(), backend.tokenizer)
-        saved_step = step
+
+class Steps:
+    """Rank 0's loop (_train). weight_sync.overlap: a step's push streams while the next step's forward
+    and backward passes run (docs/architecture.md, 'The push under the next step')."""
+
+    def __init__(self, job: JobConfig, lead: Lead, run_dir: Path, model, trainer: GRPOTrainer,
+                 backend: RolloutBackend, first_step: int):
+        self.job, self.lead, self.run_dir, self.model, self.trainer, self.backend = \
+            job, lead, run_dir, model, trainer, backend
+        self.first_step, self.done, self.saved_step = first_step, first_step, None
+        self.monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
+        self.watch, self.warm = Watch(self.monitor), KlWarmup(job, self.monitor)
+        self.rewards: list[float] = []
+        self.overlap = job.weight_sync.overlap and job.mode == "async" and lead.world == 1
+        self.pending: Pushed | None = None          # the last step, its push still in flight
+
+    def save(self, step: int) -> Path:
+        ckpt_dir = self.run_dir / "checkpoints"
+        self.lead.save(step, ckpt_dir)
+        path = self.trainer.save(ckpt_dir, step, self.backend.state_dict(), self.backend.tokenizer)
+        self.saved_step = step
         return path
 
-    monitor = Monitor(job.logger, run_dir, dataclasses.asdict(redacted(job)), job.trainer.steps, first_step)
-    watch, warm = Watch(monitor), KlWarmup(job, monitor)
-    rewards, t_start, done = [], time.perf_counter(), first_step
-    # weight_sync.overlap: a step's push streams while the next step's forward and backward run
-    overlap = job.weight_sync.overlap and job.mode == "async" and lead.world == 1
-    pending: Pushed | None = None           # the last step, its push still in flight
+    def run(self) -> dict:
+        job, t_start = self.job, time.perf_counter()
+        try:
+            self.backend.start(self.model, version=self.first_step)
+            for step in range(self.first_step, job.trainer.steps):
+                if STOP.is_set():
+                    break
+                IN_STEP.set()
+                if self.step(step):        # else its push still streams, and the next step runs under it
+                    IN_STEP.clear()
+            if self.pending is not None:
+                self.close(self.pending)
+            if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
+                path = self.save(self.done) if self.done > self.first_step else latest_checkpoint(self.run_dir)
+                self.lead.stop()
+                raise Stopped(SIGNAL["number"], self.done, path)
+            if self.saved_step != self.done:       # the last step's periodic checkpoint is the final one
+                self.save(self.done)
+            self.lead.stop()
+            note = partial_rollout_note(job, self.monitor.history[-1] if self.monitor.history else {})
+            if note:
+                self.monitor.note(note)
+        finally:
+            IN_STEP.clear()
+            if self.pending is not None:          # failing: the push in flight ends before the backend closes
+                try:
+                    self.pending.push.wait()
+                except BaseException:        # noqa: BLE001  the failure under way is the one to report
+                    pass
+            # The curves are drawn while the servers and the rollout process stop (mostly waits).
+            closed = in_background(self.backend.close, "backend-close")
+            try:
+                plot = self.monitor.finish()
+            finally:
+                closed()
+        return summary(self.rewards, job, self.first_step, time.perf_counter() - t_start, self.monitor.wandb_dir, plot)
 
-    def close(p: Pushed) -> None:
+    def step(self, step: int) -> bool:
+        """One step: a batch, a train step, its push. True when the push is done; False when it
+        streams on (self.pending) while the next step runs."""
+        job, backend, t0 = self.job, self.backend, time.perf_counter()
+        if self.pending is not None and not backend.batch_ready(as_of=step):
+            self.close(self.pending)                     # no batch to train yet: the push lands first
+        batch = backend.next_batch(as_of=step if self.pending is not None else None)
+        t1 = time.perf_counter()
+        measure = self.warm.holding
+        self.lead.train(step, batch, measure)
+        last = self.pending
+        waited = last.push.waited_s if last is not None else 0.0
+        train = self.trainer.train_step(batch, keep_logprobs=measure,
+                                        before_update=(lambda: self.close(last)) if last is not None else None)
+        if self.pending is not None:
+            self.close(self.pending)
+        t2 = time.perf_counter()
+        # the wait on the last push inside the step is the push's time (sync), not training's
+        seconds = {"wait": t1 - t0, "train": t2 - t1 - (last.push.waited_s - waited if last else 0.0)}
+        every = job.trainer.checkpoint_every
+        if self.overlap and not measure and step + 1 < job.trainer.steps and not STOP.is_set() and not (
+                every and (step + 1) % every == 0):
+            push = backend.push_in_background(self.model, version=step + 1)
+            self.pending = Pushed(step, batch, train, measure, push, {**seconds, "sync": time.perf_counter() - t2})
+            return False
+        sync = backend.push_weights(self.model, version=step + 1, on_policy=measure)
+        self.close(Pushed(step, batch, train, measure, sync, {**seconds, "sync": time.perf_counter() - t2}))
+        return True
+
+    def close(self, p: "Pushed") -> None:
         """The step's push done (waited for): its metrics logged, the step counted, a checkpoint due saved."""
-        nonlocal done, pending
+        job = self.job
         sync = p.push.wait() if isinstance(p.push, PushInFlight) else p.push
-        if p is pending:            # (not before: a push that failed, or a wait cut by a signal, is waited for in finally)
-            pending = None
+        if p is self.pending:       # (not before: a push that failed, or a wait cut by a signal, is waited for in finally)
+            self.pending = None
         seconds = {**p.seconds, "sync": p.seconds["sync"] + getattr(p.push, "waited_s", 0.0)}
-        warm.after_push(p.measure, p.step, trainer, p.batch, p.train)
+        self.warm.after_push(p.measure, p.step, self.trainer, p.batch, p.train)
         metrics = {**step_metrics(p.batch, p.train, sync, seconds), "rollout/on_policy": float(p.measure),
                    "sync/overlapped": float(isinstance(p.push, PushInFlight))}     # under the next step's passes
-        metrics.update(watch.check(p.step, p.batch, job.rollout.max_new_tokens))
-        monitor.log(p.step, metrics, p.batch.samples)
-        rewards.append(metrics["reward/mean"])
-        done = p.step + 1
-        if job.trainer.checkpoint_every and done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
-            save(done)
-
-    try:
-        backend.start(model, version=first_step)
-        for step in range(first_step, job.trainer.steps):
-            if STOP.is_set():
-                break
-            IN_STEP.set()
-            t0 = time.perf_counter()
-            if pending is not None and not backend.batch_ready(as_of=step):
-                close(pending)                     # no batch to train yet: the push lands first
-            batch = backend.next_batch(as_of=step if pending is not None else None)
-            t1 = time.perf_counter()
-            measure = warm.holding
-            lead.train(step, batch, measure)
-            last = pending
-            waited = last.push.waited_s if last is not None else 0.0
-            train = trainer.train_step(batch, keep_logprobs=measure,
-                                       before_update=(lambda: close(last)) if last is not None else None)
-            if pending is not None:
-                close(pending)
-            t2 = time.perf_counter()
-            # the wait on the last push inside the step is the push's time (sync), not training's
-            seconds = {"wait": t1 - t0, "train": t2 - t1 - (last.push.waited_s - waited if last else 0.0)}
-            if overlap and not measure and step + 1 < job.trainer.steps and not STOP.is_set() and not (
-                    job.trainer.checkpoint_every and (step + 1) % job.trainer.checkpoint_every == 0):
-                push = backend.push_in_background(model, version=step + 1)
-                pending = Pushed(step, batch, train, measure, push, {**seconds, "sync": time.perf_counter() - t2})
-                continue
-            sync = backend.push_weights(model, version=step + 1, on_policy=measure)
-            close(Pushed(step, batch, train, measure, sync, {**seconds, "sync": time.perf_counter() - t2}))
-            IN_STEP.clear()
-        if pending is not None:
-            close(pending)
-        if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
-            path = save(done) if done > first_step else latest_checkpoint(run_dir)
-            lead.stop()
-            raise Stopped(SIGNAL["number"], done, path)
-        if saved_step != done:       # the last step's periodic checkpoint is the final one
-            save(done)
-        lead.stop()
-        note = partial_rollout_note(job, monitor.history[-1] if monitor.history else {})
-        if note:
-            monitor.note(note)
-    finally:
-        IN_STEP.clear()
-        if pending is not None:          # failing: the push in flight ends before the backend closes
-            try:
-                pending.push.wait()
-            except BaseException:        # noqa: BLE001  the failure under way is the one to report
-                pass
-        # The curves are drawn while the servers and the rollout process stop (mostly waits).
-        closed = in_background(backend.close, "backend-close")
-        try:
-            plot = monitor.finish()
-        finally:
-            closed()
-    return summary(rewards, job, first_step, time.perf_counter() - t_start, monitor.wandb_dir, plot)
+        metrics.update(self.watch.check(p.step, p.batch, job.rollout.max_new_tokens))
+        self.monitor.log(p.step, metrics, p.batch.samples)
+        self.rewards.append(metrics["reward/mean"])
+        self.done = p.step + 1
+        if job.trainer.checkpoint_every and self.done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
+            self.save(self.done)
 
 
 @dataclasses.dataclass
