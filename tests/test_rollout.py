@@ -189,14 +189,19 @@ def test_new_weight_version_aborts_and_resumes_in_flight_samples(servers, tokeni
         assert len(s.logprobs) == len(s.response_ids) == len(s.versions) == 1000
 
 
+async def two_ready_groups_at_bound_0(url, tokenizer):
+    """A stopped manager (bound 0, stale samples dropped) holding the first two finished groups."""
+    m = manager([url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0, stale_policy="drop")
+    await m.start()
+    while len(m.ready) < 2:
+        await asyncio.sleep(0.05)
+    await m.stop()
+    return m
+
+
 def test_staleness_bound_at_consumption(servers, tokenizer):
     async def main():
-        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0,
-                    stale_policy="drop")
-        await m.start()
-        while len(m.ready) < 2:
-            await asyncio.sleep(0.05)
-        await m.stop()
+        m = await two_ready_groups_at_bound_0(servers()[0].url, tokenizer)
         # the trainer moves on, but these samples were made by the weights before: too stale for bound 0
         m.trainer_version = max(s.versions[-1] for g in m.ready for s in g.samples) + 1
         with pytest.raises(RuntimeError, match="stopped"):
@@ -214,12 +219,7 @@ def test_a_batch_taken_while_its_version_is_pushed_is_judged_against_that_versio
     as_of=v+1, the manager holds the groups to v+1's bound already: those that would be too old
     once it lands are not handed out; as of the version it serves they would be."""
     async def main():
-        m = manager([servers()[0].url], tokenizer, max_staleness=0, batch_size=2, oversample=1.0,
-                    stale_policy="drop")
-        await m.start()
-        while len(m.ready) < 2:
-            await asyncio.sleep(0.05)
-        await m.stop()
+        m = await two_ready_groups_at_bound_0(servers()[0].url, tokenizer)
         v = max(s.versions[-1] for g in m.ready for s in g.samples)
         m.trainer_version = v
         assert m.batch_ready() and len(m.ready) == 2              # fresh for version v
