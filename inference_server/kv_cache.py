@@ -13,6 +13,10 @@ from platforms import platform_of
 log = logging.getLogger(__name__)
 
 KV_MEMORY_FRACTION = 0.85   # of an accelerator's free memory once the weights are loaded; the rest: activations
+# Of the host's available memory, for a CPU server given no budget: the model, the trainer and the other
+# servers of a job need the rest (a job gives each of its servers its share: trainer_bridge/memory.py).
+# A real 8k-context model at max_running x context would take 24 GB (SmolLM2-135M: 64 x 8192 x 45 KiB).
+CPU_KV_FRACTION = 0.25
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
@@ -23,44 +27,48 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
-def kv_budget(budget_gb: float | None, device: torch.device) -> tuple[int | None, str]:
-    """(bytes, where from) for the KV cache: `budget_gb` (--kv-cache-gb) on any device, else on an
-    accelerator KV_MEMORY_FRACTION of its free memory once the weights are loaded, else None (CPU:
-    the caller's default)."""
+def kv_budget(budget_gb: float | None, device: torch.device, cap: int | None = None) -> tuple[int, str]:
+    """(bytes, where from) for the KV cache: `budget_gb` (--kv-cache-gb) on any device; else on an
+    accelerator KV_MEMORY_FRACTION of its free memory once the weights are loaded; else (a CPU)
+    CPU_KV_FRACTION of the host's available memory, or `cap` (what the cache could ever use: every
+    running sequence at the full context) when that is less."""
     if budget_gb is not None:
         if budget_gb <= 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {budget_gb}")
         return int(budget_gb * 2**30), f"--kv-cache-gb {budget_gb:g}"
     platform = platform_of(device)
-    if not platform.accelerator:
-        return None, "cpu default"
     free, total = platform.memory(device)
-    return int(free * KV_MEMORY_FRACTION), f"{free / 2**30:.2f} of {total / 2**30:.1f} GiB free on {device} after the weights"
+    if platform.accelerator:
+        return int(free * KV_MEMORY_FRACTION), f"{free / 2**30:.2f} of {total / 2**30:.1f} GiB free on {device} after the weights"
+    share = int(free * CPU_KV_FRACTION)
+    source = f"{CPU_KV_FRACTION:.0%} of the host's {free / 2**30:.1f} GiB available"
+    if cap is not None and cap < share:
+        return cap, f"every running sequence at the full context, less than {source}"
+    return share, source
 
 
 def kv_blocks_that_fit(budget_gb: float | None, config, context_length: int, block_size: int, max_running: int,
                        dtype: torch.dtype, device: torch.device) -> int:
-    """Blocks of the paged cache: as many as the budget holds (CPU default: `max_running` full
-    contexts, what the slot cache took). An error when they do not hold one sequence at the full
-    context, which could then never finish."""
+    """Blocks of the paged cache: as many as the budget holds (kv_budget; never more than
+    `max_running` full contexts). An error when they do not hold one sequence at the full context,
+    which could then never finish."""
     per_block = kv_bytes_per_token(config, dtype) * block_size
-    budget, source = kv_budget(budget_gb, device)
-    blocks = budget // per_block if budget is not None else max_running * -(-context_length // block_size)
-    if blocks * block_size < context_length:
-        raise ValueError(f"the KV budget ({source}) holds {blocks * block_size} tokens, fewer than one sequence "
-                         f"at context {context_length}: lower --context-length or raise --kv-cache-gb")
+    per_context = -(-context_length // block_size)
+    budget, source = kv_budget(budget_gb, device, cap=max_running * per_context * per_block)
+    blocks = budget // per_block
+    if blocks < per_context:
+        raise ValueError(f"the KV budget ({source}: {budget / 2**30:.3g} GiB) holds {blocks * block_size} tokens, "
+                         f"fewer than one sequence at context {context_length}: lower --context-length or raise "
+                         f"--kv-cache-gb")
     return blocks
 
 
 def kv_slots_that_fit(requested: int, config, context_length: int, dtype: torch.dtype, device: torch.device,
                       budget_gb: float | None = None) -> int:
     """How many sequences' contiguous KV slots to allocate: `requested`, or as many as fit in the
-    budget (`budget_gb`, or on an accelerator KV_MEMORY_FRACTION of its free memory): fewer with a
-    warning, an error when not even one fits."""
-    budget, source = kv_budget(budget_gb, device)
-    if budget is None:
-        return requested
+    budget (kv_budget): fewer with a warning, an error when not even one fits."""
     per_slot = kv_bytes_per_token(config, dtype) * context_length
+    budget, source = kv_budget(budget_gb, device, cap=requested * per_slot)
     fit = budget // per_slot
     if fit < 1:
         raise ValueError(f"the KV cache of one sequence at context {context_length} takes {per_slot / 2**20:.0f} MiB; "

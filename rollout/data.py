@@ -9,13 +9,14 @@ from typing import Any
 @dataclass
 class PromptItem:
     index: int           # position in the epoch order: (epoch, index) names a draw exactly
-    prompt: str
+    prompt: str | list[dict]    # text, or chat messages [{"role": ..., "content": ...}]
     label: Any
     metadata: dict
 
 
 class PromptSource:
-    """Items `{"prompt": str, "answer": ...}` in a shuffled order per epoch, reproducible from the seed."""
+    """Items `{"prompt": str | messages, "answer": ...}` in a shuffled order per epoch, reproducible from
+    the seed. An item's other fields (data_source, extra_info) become the sample's metadata."""
 
     def __init__(self, items: list[dict], seed: int = 0, shuffle: bool = True, prompt_key: str = "prompt",
                  label_key: str = "answer"):
@@ -56,11 +57,29 @@ class PromptSource:
         self._order = self._make_order()
 
 
-def prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """A prompt's token ids as the servers get them: through the chat template (one user turn,
-    generation prompt added) or as plain text without special tokens."""
-    if chat:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer(prompt, add_special_tokens=False).input_ids
+def prompt_ids(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """A prompt's token ids as the servers get them: through the chat template (text as one user
+    turn, or the prompt's own messages; generation prompt added) or as plain text without special
+    tokens."""
+    if isinstance(prompt, str) and not chat:
+        return tokenizer(prompt, add_special_tokens=False).input_ids
+    ids = tokenizer.apply_chat_template(chat_messages(prompt, tokenizer, chat), add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def chat_messages(prompt: str | list[dict], tokenizer, chat: bool) -> list[dict]:
+    """The messages of a prompt; a clear error for a message list that cannot be templated."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is {type(prompt).__name__} {str(prompt)[:60]!r}: expected text or a list of "
+                         f"chat messages; check task.prompt_key")
+    if not chat:
+        raise ValueError("a prompt is a list of chat messages, which needs the chat template: "
+                         + ("set rollout.use_chat_template=auto" if getattr(tokenizer, "chat_template", None) else
+                            "the model's tokenizer has none; use a model with one, or prompts as text"))
+    bad = next((i for i, m in enumerate(prompt) if not (isinstance(m, dict) and "role" in m and "content" in m)), None)
+    if bad is not None:
+        raise ValueError(f"prompt message {bad} is {prompt[bad]!r}: a chat message is a dict with 'role' and 'content'")
+    return list(prompt)

@@ -1,4 +1,6 @@
-"""Reward functions: `async def reward(sample) -> float`, named in config as `module:function`."""
+"""Reward functions, named in config as `module:function`: `reward(sample) -> float`, or verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`, unchanged.
+Either may be sync or async; `get_reward` makes each an `async (sample) -> float`."""
 from __future__ import annotations
 
 import importlib
@@ -41,13 +43,53 @@ def load_callable(spec: str):
     return fn
 
 
-def as_async(fn) -> RewardFn:
-    if inspect.iscoroutinefunction(fn):
-        return fn
+def verl_args(sample: Sample) -> dict:
+    """What verl passes a compute_score, from a sample: data_source and extra_info come from the
+    item's metadata (rollout.tasks puts them there), the ground truth is the label."""
+    return {"data_source": sample.metadata.get("data_source", ""), "solution_str": sample.response_text,
+            "ground_truth": sample.label, "extra_info": sample.metadata.get("extra_info") or {}}
 
-    async def wrapper(sample: Sample) -> float:
-        return fn(sample)
-    return wrapper
+
+def caller(fn, spec: str) -> Callable[[Sample], object]:
+    """`fn` as a function of a sample. verl's signature is told by its `solution_str` parameter;
+    only the arguments it names are passed (verl's own gsm8k scorer takes two of the four)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):           # a builtin or C callable: no signature to read
+        return fn
+    if "solution_str" not in params:
+        required = [p for p in params.values() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(required) > 1:
+            raise ValueError(f"{spec!r} takes ({', '.join(params)}): a reward takes (sample), or verl's "
+                             f"(data_source, solution_str, ground_truth, extra_info=None)")
+        return fn
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return lambda sample: fn(**verl_args(sample))
+    return lambda sample: fn(**{k: v for k, v in verl_args(sample).items() if k in params})
+
+
+def as_score(out, sample: Sample, spec: str) -> float:
+    """A reward's return value as a float. verl's scorers may return a dict with "score" and more
+    (e.g. "acc", "pred"): the rest is kept on the sample, in metadata["reward_info"]."""
+    if not isinstance(out, dict):
+        return float(out)
+    if "score" not in out:
+        raise ValueError(f"{spec!r} returned a dict without 'score' (keys: {sorted(out)})")
+    sample.metadata["reward_info"] = {k: v for k, v in out.items() if k != "score"}
+    return float(out["score"])
+
+
+def as_async(fn, spec: str = "") -> RewardFn:
+    """Either signature, sync or async, as an `async (sample) -> float`."""
+    call = caller(fn, spec or getattr(fn, "__name__", repr(fn)))
+
+    async def reward(sample: Sample) -> float:
+        out = call(sample)
+        if inspect.isawaitable(out):
+            out = await out
+        return as_score(out, sample, spec)
+    return reward
 
 
 async def exact_match(sample: Sample) -> float:
@@ -55,13 +97,24 @@ async def exact_match(sample: Sample) -> float:
     return float(sample.response_text.strip() == str(sample.label).strip())
 
 
-def last_number(text: str) -> float | None:
+def final_answer(text: str) -> str | None:
+    """The final answer a response gives, as text: the last number in its last \\boxed{}, else after
+    its last '####', else anywhere; commas dropped and "12.0" written "12" (scorers that compare
+    strings, like reasoning-gym's, then see what the model meant). No number: what the box or
+    '####' holds, if anything."""
     boxed = re.findall(r"\\boxed\{([^}]*)\}", text)
-    candidates = _NUMBER.findall(boxed[-1] if boxed else text.split("####")[-1])
+    part = boxed[-1] if boxed else text.split("####")[-1]
+    candidates = _NUMBER.findall(part)
     if not candidates:
-        return None
+        return (part.strip() or None) if (boxed or "####" in text) else None
+    number = candidates[-1].replace(",", "").rstrip(".")
+    return re.sub(r"\.0*$", "", number) if re.fullmatch(r"-?\d+\.0*", number) else number
+
+
+def last_number(text: str) -> float | None:
+    answer = final_answer(text)
     try:
-        return float(candidates[-1].replace(",", "").rstrip("."))
+        return float(answer) if answer is not None else None
     except ValueError:
         return None
 
@@ -82,4 +135,4 @@ BUILTIN = {"exact_match": exact_match, "math_answer": math_answer, "format_check
 
 
 def get_reward(spec: str) -> RewardFn:
-    return BUILTIN[spec] if spec in BUILTIN else as_async(load_callable(spec))
+    return BUILTIN[spec] if spec in BUILTIN else as_async(load_callable(spec), spec)

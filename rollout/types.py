@@ -41,7 +41,7 @@ class Sample:
     group_id: str
     index: int                                  # position in its group
     prompt_ids: list[int]
-    prompt: str = ""
+    prompt: str | list = ""                     # text, or chat messages [{role, content}]
     label: Any = None                           # the reference answer, for rewards
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)       # behaviour logprobs, one per response token

@@ -41,7 +41,7 @@ from rollout.client import Generation, RequestRefused, ServerError, client_for
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
 from rollout.service import RolloutSpec
-from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items
+from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
 from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import (ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
@@ -76,28 +76,49 @@ class BackendConfig:
 
 
 def task_items(task: TaskConfig, seed: int) -> list[dict]:
-    if task.name in DIGIT_TASKS:
-        return digit_items(task.name, task.num_digits, task.num_prompts, seed, task.min_digits)
+    """The training items: `{"prompt", "answer", "data_source", "extra_info"}`."""
     if task.name == "dataset":
-        return dataset_items(task.path, task.prompt_key, task.answer_key)
-    raise ValueError(f"task.name={task.name!r}: use one of {DIGIT_TASKS} or 'dataset'")
+        return dataset_items(task.path, task.prompt_key, task.answer_key, task.split)
+    return generated_items(task, task.num_prompts, seed)
+
+
+def val_items(task: TaskConfig, seed: int) -> list[dict]:
+    """Held-out items in task_items' shape, for validation: task.val_path's; else, for a generated
+    task, task.val_size problems drawn with other seeds, none of them a training prompt; else none."""
+    if task.val_path:
+        return dataset_items(task.val_path, task.prompt_key, task.answer_key, task.val_split, field="task.val_path")
+    if task.name == "dataset" or task.val_size == 0:
+        return []
+    return held_out(lambda count, s: generated_items(task, count, s), task_items(task, seed), task.val_size, seed)
+
+
+def generated_items(task: TaskConfig, count: int, seed: int) -> list[dict]:
+    if task.name in DIGIT_TASKS:
+        return digit_items(task.name, task.num_digits, count, seed, task.min_digits)
+    if task.name == "reasoning_gym":
+        return reasoning_gym_items(task.rg_dataset, task.rg_config, count, seed, task.prompt_template)
+    raise ValueError(f"task.name={task.name!r}: use one of {', '.join(DIGIT_TASKS)}, reasoning_gym or dataset")
 
 
 def check_prompts(items: list[dict], tokenizer, rollout: RolloutConfig, context_length: int) -> None:
     """Before anything starts: every prompt, as the manager will tokenize it, plus max_new_tokens
-    must fit the servers' context. Names the longest prompt."""
+    must fit the servers' context. Names the longest prompt. A prompt of chat messages without the
+    chat template fails here, saying what to change."""
     if not items:
         raise ValueError("the task has no prompts")
     chat = rollout.chat_template(tokenizer)
-    texts = [str(item["prompt"]) for item in items]
-    if chat:
-        lengths = [len(prompt_ids(tokenizer, t, chat)) for t in texts[:2000]]
-    else:                                # one batched call: datasets run to many thousand prompts
-        lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+    prompts = [item["prompt"] for item in items]
+    if not chat and all(isinstance(p, str) for p in prompts):   # one batched call: datasets run to many thousand
+        lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False).input_ids]
+    else:
+        if not chat:                     # chat messages without the template: prompt_ids says what to change
+            prompt_ids(tokenizer, next(p for p in prompts if not isinstance(p, str)), chat)
+        lengths = [len(prompt_ids(tokenizer, p, chat)) for p in prompts[:2000]]
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] + rollout.max_new_tokens > context_length:
         raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} + the longest prompt ({lengths[longest]} "
-                         f"tokens: {texts[longest][:60]!r}) is more than server.context_length={context_length}; "
+                         f"tokens: {str(prompts[longest])[:60]!r}) is more than "
+                         f"server.context_length={context_length}; "
                          f"lower max_new_tokens or raise the context")
 
 

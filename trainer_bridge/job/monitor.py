@@ -5,6 +5,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 from trainer_bridge.config import LoggerConfig
@@ -106,7 +107,7 @@ class Monitor:
         return str(Path(self.run.dir).parent) if self.run is not None else ""
 
     def log(self, step: int, metrics: dict, samples: list | None = None) -> None:
-        flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        flat = {"time/wall": time.time(), **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         record = {"step": step, **flat, "staleness_hist": metrics.get("staleness_hist", {}),
                   "drops": metrics.get("drops", {})}
         self.history.append(record)
@@ -127,12 +128,21 @@ class Monitor:
             if samples and self.cfg.log_samples:
                 table = wandb.Table(columns=["prompt", "response", "reward", "versions"])
                 for s in samples[:self.cfg.log_samples]:
-                    table.add_data(s.prompt, s.response_text, s.reward, str(sorted(set(s.versions))))
+                    table.add_data(s.prompt if isinstance(s.prompt, str) else json.dumps(s.prompt), s.response_text, s.reward, str(sorted(set(s.versions))))
                 payload["samples"] = table
             self.run.log(payload, step=step)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(reward=f"{flat.get('reward/mean', 0):.3f}", stale=metrics.get("staleness_max", 0))
+
+    def log_validation(self, step: int, metrics: dict) -> None:
+        """A validation row of its own (the final weights'), in metrics.jsonl and wandb."""
+        record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.history.append(record)
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.run is not None:
+            self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
     def finish(self) -> str:
         if self.bar is not None:
@@ -164,9 +174,9 @@ class Monitor:
                 out.append(sum(window) / len(window))
             return out
 
-        fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(12, 7.5))
+        fig, ((a, b, e), (c, d, g)) = plt.subplots(2, 3, figsize=(17, 7.5))
         # Fixed margins: tight_layout measured every label first, most of the plot's ~0.4 s.
-        fig.subplots_adjust(left=0.06, right=0.985, bottom=0.07, top=0.92, wspace=0.16, hspace=0.3)
+        fig.subplots_adjust(left=0.045, right=0.99, bottom=0.07, top=0.92, wspace=0.18, hspace=0.3)
         for key, label, color in (("reward/mean", "reward", "C0"), ("reward/accuracy", "accuracy", "C1")):
             values = series(key)
             a.plot(steps, values, color=color, alpha=0.3, linewidth=1)
@@ -180,7 +190,15 @@ class Monitor:
         d.plot(steps, series("rollout/tokens_per_s"), label="generated tokens/s (servers)")
         d.plot(steps, series("train/trainer_tokens_per_s"), label="trained tokens/s (trainer)")
         d.set(xlabel="step", ylabel="tokens/s", title="throughput")
-        for ax in (a, b, c, d):
+        for key, label in (("val/accuracy", "held-out accuracy (greedy)"), ("val/reward_mean", "held-out reward (greedy)")):
+            points = [(r["step"], r[key]) for r in h if key in r]
+            e.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+        e.set(xlabel="step (weights after it)", ylabel="accuracy / reward", title="validation")
+        for key, label in (("rollout_corr/logprob_abs_diff_mean", "|logprob diff| mean"),
+                           ("rollout_corr/kl", "KL(server || trainer) a token")):
+            g.plot(steps, series(key), label=label)
+        g.set(xlabel="step", title="server vs trainer logprobs (tokens of the trained version)")
+        for ax in (a, b, c, d, e, g):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         task = self.config.get("task", {}).get("name", "?") if isinstance(self.config, dict) else "?"

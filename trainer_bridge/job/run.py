@@ -203,6 +203,8 @@ class Steps:
         self.rewards: list[float] = []
         self.overlap = job.weight_sync.overlap and job.mode == "async" and lead.world == 1
         self.pending: Pushed | None = None          # the last step, its push still in flight
+        self.validation = validation_of(job, backend, self.monitor)
+        self.val_metrics: dict = {}                 # the last validation's, logged with the next step
 
     def save(self, step: int) -> Path:
         ckpt_dir = self.run_dir / "checkpoints"
@@ -215,6 +217,8 @@ class Steps:
         job, t_start = self.job, time.perf_counter()
         try:
             self.backend.start(self.model, version=self.first_step)
+            if self.validation is not None and job.trainer.val_before_train:
+                self.validation.start(self.first_step)
             for step in range(self.first_step, job.trainer.steps):
                 if STOP.is_set():
                     break
@@ -223,6 +227,7 @@ class Steps:
                     IN_STEP.clear()
             if self.pending is not None:
                 self.close(self.pending)
+            self.validate_last()
             if STOP.is_set():      # a signal let the step finish: save where it stands, then stop
                 path = self.save(self.done) if self.done > self.first_step else latest_checkpoint(self.run_dir)
                 self.lead.stop()
@@ -246,7 +251,8 @@ class Steps:
                 plot = self.monitor.finish()
             finally:
                 closed()
-        return summary(self.rewards, job, self.first_step, time.perf_counter() - t_start, self.monitor.wandb_dir, plot)
+        return summary(self.rewards, job, self.first_step, time.perf_counter() - t_start, self.monitor.wandb_dir, plot,
+                       self.monitor.history)
 
     def step(self, step: int) -> bool:
         """One step: a batch, a train step, its push. True when the push is done; False when it
@@ -268,6 +274,7 @@ class Steps:
         # the wait on the last push inside the step is the push's time (sync), not training's
         seconds = {"wait": t1 - t0, "train": t2 - t1 - (last.push.waited_s - waited if last else 0.0)}
         every = job.trainer.checkpoint_every
+        self.collect_validation()                   # the weights it generates with change from here
         if self.overlap and not measure and step + 1 < job.trainer.steps and not STOP.is_set() and not (
                 every and (step + 1) % every == 0):
             push = backend.push_in_background(self.model, version=step + 1)
@@ -288,11 +295,45 @@ class Steps:
         metrics = {**step_metrics(p.batch, p.train, sync, seconds), "rollout/on_policy": float(p.measure),
                    "sync/overlapped": float(isinstance(p.push, PushInFlight))}     # under the next step's passes
         metrics.update(self.watch.check(p.step, p.batch, job.rollout.max_new_tokens))
+        metrics.update(self.val_metrics)
+        self.val_metrics = {}
         self.monitor.log(p.step, metrics, p.batch.samples)
         self.rewards.append(metrics["reward/mean"])
         self.done = p.step + 1
+        every_val = job.trainer.val_every
+        if self.validation is not None and every_val and self.done % every_val == 0 and self.done < job.trainer.steps:
+            self.validation.start(self.done)
         if job.trainer.checkpoint_every and self.done % job.trainer.checkpoint_every == 0 and not STOP.is_set():
             self.save(self.done)
+
+
+    def collect_validation(self) -> None:
+        """Wait for the validation under way (it must end before the next push changes the weights)."""
+        if self.validation is not None:
+            self.val_metrics.update(self.validation.collect())
+
+    def validate_last(self) -> None:
+        """The held-out prompts at the final weights, logged as a row of its own (step = steps done)."""
+        if self.validation is None or self.done == self.first_step or STOP.is_set():
+            return
+        self.collect_validation()
+        self.validation.start(self.done)
+        self.collect_validation()
+        self.monitor.log_validation(self.done, self.val_metrics)
+        self.val_metrics = {}
+
+
+def validation_of(job: JobConfig, backend: RolloutBackend, monitor: Monitor) -> "Validation | None":
+    """The job's validation, or None: off (trainer.val_every=0), or no held-out prompts (said once)."""
+    if not job.trainer.val_every:
+        return None
+    from trainer_bridge.backend import val_items
+    from trainer_bridge.job.validation import Validation
+    items = val_items(job.task, job.seed)
+    if not items:
+        monitor.note("no validation: the task has no held-out prompts (give task.val_path)")
+        return None
+    return Validation(backend, items, job.task.reward, job.trainer.val_samples)
 
 
 @dataclasses.dataclass
@@ -377,10 +418,12 @@ class Watch:
 
 
 def summary(rewards: list[float], job: JobConfig, first_step: int, seconds: float, wandb_dir: str,
-            plot: str) -> dict:
+            plot: str, history: list[dict] | None = None) -> dict:
     k = max(1, len(rewards) // 10)
+    val = [r["val/accuracy"] for r in history or [] if "val/accuracy" in r]
     return {"first_reward": round(sum(rewards[:k]) / k, 4) if rewards else None,
             "last_reward": round(sum(rewards[-k:]) / k, 4) if rewards else None,
+            **({"val_accuracy_first": round(val[0], 4), "val_accuracy_last": round(val[-1], 4)} if val else {}),
             "steps": job.trainer.steps, "first_step": first_step, "seconds": round(seconds, 1),
             "wandb_dir": wandb_dir, "plot": plot}
 

@@ -7,7 +7,11 @@ attention inside each sequence, as verl's `use_remove_padding` and TRL's `paddin
 row of a packed batch holds whole sequences (first-fit by length, longest first), so attention
 costs no more than the padded batch's (a row is never longer than `capacity` or the longest
 sequence), and the capacity that leaves fewer tokens in all is taken (the longest sequence's, when
-packing would only widen the rows). Logprobs come back in the padded layout, [rows, seq - 1], zero past each sequence.
+packing would only widen the rows). `Packed.source` and `keep` lay the bins' per-token values back out as
+the padded rows, [rows, seq - 1], zero past each sequence.
+
+`micro_batches` cuts a mini-batch's rows into micro-batches by count and tokens
+(trainer.max_tokens_per_micro_batch), like verl's ppo_max_token_len_per_gpu.
 """
 from __future__ import annotations
 
@@ -74,8 +78,19 @@ def _first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins
 
 
-def unpack(values: Tensor, packed: Packed) -> Tensor:
-    """Per-token values of the packed bins, [bins, width - 1] (token t + 1 given <= t), in the
-    padded layout [rows, seq - 1] (0 where a row has no next token); differentiable."""
-    picked = values.reshape(-1)[packed.source]
-    return values.new_zeros(packed.keep.shape).masked_scatter(packed.keep, picked)
+def micro_batches(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Indexes into `lengths` (tokens per row) grouped into micro-batches of at most `max_rows` rows
+    and `max_tokens` tokens (0: no token limit; a row longer than that is a micro-batch of its own):
+    first fit, longest first, so the rows of a micro-batch have like lengths."""
+    groups: list[list[int]] = []
+    used: list[int] = []                  # tokens in each group
+    for row in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        for g, group in enumerate(groups):
+            if len(group) < max_rows and (max_tokens == 0 or used[g] + lengths[row] <= max_tokens):
+                group.append(row)
+                used[g] += lengths[row]
+                break
+        else:
+            groups.append([row])
+            used.append(lengths[row])
+    return groups

@@ -1,7 +1,9 @@
 """The built-in GRPO trainer: PyTorch + transformers, on the same attach API an outside trainer uses.
 
-One step: take a batch from the backend, recompute logprobs with the current weights (micro-batches,
-gradient accumulation), clipped policy-gradient loss corrected for the server's behaviour logprobs
+One step: take a batch from the backend, recompute logprobs with the current weights (micro-batches of
+up to micro_batch_size rows and max_tokens_per_micro_batch tokens, rows of like lengths together;
+gradient accumulation; the LM head's logits a chunk of positions at a time, lm_head.py), clipped
+policy-gradient loss corrected for the server's behaviour logprobs
 (`trainer.off_policy`: PPO's clip against the behaviour policy by default; grpo.py), clip gradients,
 AdamW, push the new weights as version step + 1.
 
@@ -29,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from platforms import platform_of, rank_device
-from trainer_bridge.training import grpo, packing
+from trainer_bridge.training import grpo, lm_head, packing
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig
 
@@ -61,6 +63,20 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def checkpoint_activations(model: torch.nn.Module) -> None:
+    """trainer.gradient_checkpointing: each decoder layer keeps only its input for backward and
+    recomputes the rest there (non-reentrant, the kind FSDP2 supports); no KV cache in training."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):          # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        raise ValueError(f"trainer.gradient_checkpointing=true: {type(model).__name__} has no "
+                         "gradient_checkpointing_enable (a Hugging Face model has one); set it to false")
+    model.config.use_cache = False
+
+
 class GRPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0):
         self.cfg = cfg
@@ -72,6 +88,8 @@ class GRPOTrainer:
         if cfg.kl_coef > 0:
             import copy
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        if cfg.gradient_checkpointing:
+            checkpoint_activations(model)
         if sharded:
             shard(model)
             if self.reference is not None:
@@ -87,16 +105,16 @@ class GRPOTrainer:
         self._packing: bool | None = None     # packed forward passes: None until the first one is checked
         self._before: torch.Tensor | None = None      # train_step(keep_logprobs): the logprobs before it
 
-    def _shares(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's micro-batches of `rows` (rows dealt round the ranks), as many on every rank;
-        each with whether it is real (False: a stand-in row the rank runs with no weight)."""
+    def _shares(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's micro-batches of `rows` (rows dealt round the ranks, then grouped by their
+        `lengths` [batch], up to micro_batch_size rows and max_tokens_per_micro_batch tokens), as
+        many on every rank; each with whether it is real (False: a stand-in row the rank runs with
+        no weight)."""
         mine = rows[self.rank::self.world]
-        parts = math.ceil(math.ceil(len(rows) / self.world) / self.cfg.micro_batch_size)
-        out = []
-        for p in range(parts):
-            part = mine[p * self.cfg.micro_batch_size:(p + 1) * self.cfg.micro_batch_size]
-            out.append((part, True) if len(part) else (rows[:1], False))
-        return out
+        groups = packing.micro_batches(lengths[mine].tolist(), self.cfg.micro_batch_size,
+                                       self.cfg.max_tokens_per_micro_batch)
+        count = int(self._max_over_ranks(len(groups)))
+        return [(mine[g], True) for g in groups] + [(rows[:1], False)] * (count - len(groups))
 
     def _sync_gradients(self, last: bool) -> None:
         """FSDP2: reduce-scatter the gradients after a mini-batch's last micro-batch only."""
@@ -138,6 +156,7 @@ class GRPOTrainer:
             group["lr"] = lr
         sums: dict[str, float] = {}
         norms = []
+        lengths = batch.attention_mask.sum(1)                                # [batch] tokens of each row
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_count)
         for epoch in range(self.cfg.ppo_epochs):
             order = torch.randperm(n, generator=generator) if updates > 1 else torch.arange(n)
@@ -145,7 +164,7 @@ class GRPOTrainer:
                 rows = order[start:start + size]
                 tokens = float(batch.loss_mask[rows].sum())          # the whole mini-batch's, on every rank
                 self.optimizer.zero_grad(set_to_none=True)
-                shares = self._shares(rows)
+                shares = self._shares(rows, lengths)
                 for i, (part, real) in enumerate(shares):
                     prox = proximal[part.to(proximal.device)] if proximal is not None else None
                     loss, metrics, weight = self._micro_batch(batch.rows(part), tokens, prox)
@@ -193,7 +212,7 @@ class GRPOTrainer:
         ranks each computes its share of the rows, and a sum over the ranks fills in the rest)."""
         n, length = batch.input_ids.shape
         out = torch.zeros(n, length - 1, device=self.device)
-        for part, real in self._shares(torch.arange(n)):
+        for part, real in self._shares(torch.arange(n), batch.attention_mask.sum(1)):
             mb = batch.rows(part)
             logprobs, _ = self._token_logprobs(self.model, mb, entropy=False)
             if real:
@@ -203,43 +222,81 @@ class GRPOTrainer:
         return out
 
     def _token_logprobs(self, model, mb: TrainBatch, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`model`'s logprob of each next token of the micro-batch (and its entropy), [mb, seq-1]:
-        one forward pass over the sequences packed end to end (trainer.pack_length; packing.py), or
-        over the right-padded rows (pack_length 0, or a model the first packed pass showed to attend
-        across sequences)."""
+        """`model`'s logprob of each next token of the micro-batch (and its entropy), [mb, seq-1], 0
+        past each row's end: one forward pass over the sequences packed end to end
+        (trainer.pack_length; packing.py), or over the right-padded rows (pack_length 0, or a model
+        the first packed pass showed to attend across sequences)."""
         ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
-        entropy_grad = entropy and self.cfg.entropy_coef > 0
         if self._packing is False or self.cfg.pack_length == 0:
-            with self._autocast():
-                logits = model(input_ids=ids, attention_mask=attention).logits
-            return grpo.sequence_logprobs_and_entropy(logits, ids, self.temperature, entropy, entropy_grad)
+            return self._padded_logprobs(model, ids, attention, entropy)
         packed = packing.pack(ids, attention, self.cfg.pack_length)
-        with self._autocast():
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
-        logprobs, ent = grpo.sequence_logprobs_and_entropy(logits, packed.input_ids, self.temperature, entropy,
-                                                           entropy_grad)
-        logprobs, ent = packing.unpack(logprobs, packed), (packing.unpack(ent, packed) if entropy else None)
+        inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+        logprobs, ent = self._forward_logprobs(model, inputs, packed.source, packed.keep, entropy)
         if self._packing is None and self._any_rank(packed.bins < len(ids)):     # sequences shared a row
             self._packing = self._packing_holds(model, ids, attention, logprobs.detach(), packed)
             if not self._packing:
                 return self._token_logprobs(model, mb, entropy)
         return logprobs, ent
 
-    def _any_rank(self, flag: bool) -> bool:
+    def _padded_logprobs(self, model, ids, attention, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keep = attention[:, 1:].bool()                     # [mb, seq-1]: token t+1 exists (right-padded rows)
+        index = keep.flatten().nonzero().squeeze(1)
+        return self._forward_logprobs(model, dict(input_ids=ids, attention_mask=attention), index, keep, entropy)
+
+    def _forward_logprobs(self, model, inputs: dict, index: torch.Tensor, keep: torch.Tensor,
+                          entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward pass of `model` on `inputs`: the next token's logprob (and entropy) at `index`
+        [kept] (flat into [rows, width - 1] of inputs' input_ids), laid out as `keep` [mb, seq-1]
+        (0 elsewhere). The head's logits a chunk of trainer.logits_chunk_tokens at a time (lm_head.py),
+        or whole for a model without a head to call apart (or logits_chunk_tokens 0)."""
+        entropy_grad = entropy and self.cfg.entropy_coef > 0
+        head = lm_head.output_head(model) if self.cfg.logits_chunk_tokens > 0 else None
+        if head is None:
+            values = self._full_logits(model, inputs, entropy, entropy_grad).flatten(0, 1)[index]
+        else:
+            values = self._head_chunks(model, head, inputs, index, entropy, entropy_grad)
+        lay_out = [keep.new_zeros(keep.shape, dtype=values.dtype).masked_scatter(keep, v) for v in values.unbind(-1)]
+        return lay_out[0], (lay_out[1] if entropy else None)
+
+    def _head_chunks(self, model, head, inputs: dict, index: torch.Tensor, entropy: bool,
+                     entropy_grad: bool) -> torch.Tensor:
+        """[kept, 1 + entropy]: the model's own forward, its head swapped for lm_head's chunks."""
+        forward = lm_head.positions_forward(head, inputs["input_ids"], index, self.temperature, entropy,
+                                            entropy_grad, self.cfg.logits_chunk_tokens)
+        with self._autocast(), lm_head.head_replaced(head, forward):
+            values = model(**inputs).logits
+        if values.shape != (len(index), 1 + entropy):
+            raise RuntimeError(f"{type(model).__name__}'s forward gave logits of shape {tuple(values.shape)}, not "
+                               f"its output head's ({len(index)}, {1 + entropy}): it does not end in "
+                               "get_output_embeddings(); set trainer.logits_chunk_tokens=0 (whole logits)")
+        return values
+
+    def _full_logits(self, model, inputs: dict, entropy: bool, entropy_grad: bool) -> torch.Tensor:
+        """[rows, width - 1, 1 + entropy] from the whole [rows, width, vocab] logits at once."""
+        with self._autocast():
+            logits = model(**inputs).logits
+        logprobs, ent = grpo.sequence_logprobs_and_entropy(logits, inputs["input_ids"], self.temperature, entropy,
+                                                           entropy_grad)
+        return torch.stack([logprobs, ent] if entropy else [logprobs], -1)
+
+    def _max_over_ranks(self, value: float) -> float:
         if self.world == 1:
-            return flag
-        value = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+            return value
+        box = torch.tensor([float(value)], device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return float(box.item())
+
+    def _any_rank(self, flag: bool) -> bool:
+        return self._max_over_ranks(float(flag)) > 0
 
     def _packing_holds(self, model, ids, attention, packed_logprobs, packed: "packing.Packed") -> bool:
         """Once, on the first micro-batch: do the packed logprobs match the padded rows'? A model (or
         a transformers too old to read packed position ids) that attends across sequences does
         not, and then the trainer pads from here on, saying so. Every rank runs this same extra
         pass on its first micro-batch (FSDP2's collectives stay in step)."""
-        with torch.no_grad(), self._autocast():
-            logits = model(input_ids=ids, attention_mask=attention).logits
-        gaps = (grpo.sequence_logprobs(logits, ids, self.temperature) - packed_logprobs).abs()[packed.keep]
+        with torch.no_grad():
+            padded, _ = self._padded_logprobs(model, ids, attention, entropy=False)
+        gaps = (padded - packed_logprobs).abs()[packed.keep]
         exact = self.cfg.dtype == "float32" or self.device.type == "cpu"
         # float32: the largest gap (rounding only, ~1e-6); bfloat16 rounds more, so the mean gap
         gap = float(gaps.max() if exact else gaps.mean()) if gaps.numel() else 0.0
