@@ -62,7 +62,7 @@ def value_problem(key: str, value: str, default) -> str | None:
     return None
 
 
-GROUPS = ("model", "task", "rollout", "weight_sync", "server", "cluster", "trainer", "logger", "hydra")
+GROUPS = ("model", "task", "rollout", "weight_sync", "server", "cluster", "trainer", "logger", "experiment", "hydra")
 
 
 def under_a_mapping(key: str, known: dict) -> bool:

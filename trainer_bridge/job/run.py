@@ -99,7 +99,7 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            **{f"length/{b}/{k}": v for b, row in r["by_length"].items() for k, v in row.items()},
            **{k: v for k, v in r.items() if k.startswith("fleet/")},
            **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r["tokens_per_s_by_server"].items()}}
-    out.update({f"train/{k}": v for k, v in train.items()})
+    out.update({k if k.startswith("rollout_corr/") else f"train/{k}": v for k, v in train.items()})
     return out
 
 

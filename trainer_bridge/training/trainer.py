@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from platforms import platform_of, rank_device
 from trainer_bridge.training import grpo, lm_head, packing
+from trainer_bridge.training.agreement import Agreement
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig
 
@@ -104,6 +105,7 @@ class GRPOTrainer:
         self.step_count = 0
         self._packing: bool | None = None     # packed forward passes: None until the first one is checked
         self._before: torch.Tensor | None = None      # train_step(keep_logprobs): the logprobs before it
+        self._agreement: Agreement | None = None      # open from a step's start to its first optimizer step
 
     def _shares(self, rows: torch.Tensor, lengths: torch.Tensor) -> list[tuple[torch.Tensor, bool]]:
         """This rank's micro-batches of `rows` (rows dealt round the ranks, then grouped by their
@@ -130,7 +132,7 @@ class GRPOTrainer:
         return dict(zip(keys, total.tolist()))
 
     def _autocast(self):
-        enabled = self.cfg.dtype == "bfloat16" and self.device.type != "cpu"
+        enabled = self.cfg.dtype == "bfloat16"        # CPU too: AMX / avx512_bf16 matmuls (bench/real_model.py)
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def train_step(self, batch: TrainBatch, keep_logprobs: bool = False,
@@ -156,27 +158,17 @@ class GRPOTrainer:
             group["lr"] = lr
         sums: dict[str, float] = {}
         norms = []
+        self._agreement = Agreement()       # the server's logprobs against these weights', before they change
+        if proximal is not None:
+            self._agreement.add(proximal, batch.behaviour_logprobs[:, 1:].to(self.device), self._own_tokens(batch))
         lengths = batch.attention_mask.sum(1)                                # [batch] tokens of each row
         generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step_count)
         for epoch in range(self.cfg.ppo_epochs):
             order = torch.randperm(n, generator=generator) if updates > 1 else torch.arange(n)
             for start in range(0, n, size):
-                rows = order[start:start + size]
-                tokens = float(batch.loss_mask[rows].sum())          # the whole mini-batch's, on every rank
                 self.optimizer.zero_grad(set_to_none=True)
-                shares = self._shares(rows, lengths)
-                for i, (part, real) in enumerate(shares):
-                    prox = proximal[part.to(proximal.device)] if proximal is not None else None
-                    loss, metrics, weight = self._micro_batch(batch.rows(part), tokens, prox)
-                    if before is not proximal and epoch == 0 and real:
-                        before[part.to(self.device)] = self._micro_logprobs
-                    if not real:
-                        loss, weight = loss * 0.0, 0.0
-                    self._sync_gradients(i == len(shares) - 1)
-                    # FSDP2 averages gradients over the ranks; the weights already add up to the mini-batch
-                    (loss * self.world).backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * weight / updates
+                keep = before if before is not proximal and epoch == 0 else None
+                self._gradients(batch, order[start:start + size], lengths, proximal, keep, sums, 1.0 / updates)
                 norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf)
                 norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
@@ -184,15 +176,36 @@ class GRPOTrainer:
                     before_update, call = None, before_update
                     call()
                 self.optimizer.step()
+                if self._agreement is not None:
+                    agreement, self._agreement = self._agreement.metrics(self.world, self.device), None
         sums = self._all_ranks_sum(sums)
         if before is not None and before is not proximal and self.world > 1:
             dist.all_reduce(before)              # each rank filled in its own rows
         self._before = before if keep_logprobs else None
         self.step_count += 1
         seconds = time.perf_counter() - t0
-        return {**sums, "grad_norm": sum(norms) / len(norms), "lr": lr, "train_seconds": seconds,
+        return {**sums, **agreement, "grad_norm": sum(norms) / len(norms), "lr": lr, "train_seconds": seconds,
                 "optimizer_steps": updates,
                 "trainer_tokens_per_s": float(batch.attention_mask.sum()) * self.cfg.ppo_epochs / seconds}
+
+    def _gradients(self, batch: TrainBatch, rows: torch.Tensor, lengths: torch.Tensor, proximal: torch.Tensor | None,
+                   before: torch.Tensor | None, sums: dict[str, float], scale: float) -> None:
+        """Accumulate one mini-batch's gradients (`rows`), micro-batch by micro-batch; its metrics
+        added to `sums` (x `scale`, token-weighted); `before`: filled in with the rows' logprobs."""
+        tokens = float(batch.loss_mask[rows].sum())          # the whole mini-batch's, on every rank
+        shares = self._shares(rows, lengths)
+        for i, (part, real) in enumerate(shares):
+            prox = proximal[part.to(proximal.device)] if proximal is not None else None
+            loss, metrics, weight = self._micro_batch(batch.rows(part), tokens, prox)
+            if before is not None and real:
+                before[part.to(self.device)] = self._micro_logprobs
+            if not real:
+                loss, weight = loss * 0.0, 0.0
+            self._sync_gradients(i == len(shares) - 1)
+            # FSDP2 averages gradients over the ranks; the weights already add up to the mini-batch
+            (loss * self.world).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * weight * scale
 
     def update_kl(self, batch: TrainBatch) -> float:
         """How far the last train_step (called with keep_logprobs) moved the policy on `batch`, the
@@ -227,19 +240,24 @@ class GRPOTrainer:
         (trainer.pack_length; packing.py), or over the right-padded rows (pack_length 0, or a model
         the first packed pass showed to attend across sequences)."""
         ids, attention = mb.input_ids.to(self.device), mb.attention_mask.to(self.device)
+        # only where the next token is a response token: the loss reads nothing else, and the head over
+        # the vocabulary was ~30% of a real model's step (SmolLM2-135M, prompts half the tokens)
+        want = mb.loss_mask[:, 1:].to(self.device).bool()            # [mb, seq-1]
         if self._packing is False or self.cfg.pack_length == 0:
-            return self._padded_logprobs(model, ids, attention, entropy)
+            return self._padded_logprobs(model, ids, attention, entropy, want)
         packed = packing.pack(ids, attention, self.cfg.pack_length)
         inputs = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-        logprobs, ent = self._forward_logprobs(model, inputs, packed.source, packed.keep, entropy)
+        keep = packed.keep & want
+        logprobs, ent = self._forward_logprobs(model, inputs, packed.source[want[packed.keep]], keep, entropy)
         if self._packing is None and self._any_rank(packed.bins < len(ids)):     # sequences shared a row
-            self._packing = self._packing_holds(model, ids, attention, logprobs.detach(), packed)
+            self._packing = self._packing_holds(model, ids, attention, logprobs.detach(), keep)
             if not self._packing:
                 return self._token_logprobs(model, mb, entropy)
         return logprobs, ent
 
-    def _padded_logprobs(self, model, ids, attention, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        keep = attention[:, 1:].bool()                     # [mb, seq-1]: token t+1 exists (right-padded rows)
+    def _padded_logprobs(self, model, ids, attention, entropy: bool,
+                         want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        keep = attention[:, 1:].bool() & want              # [mb, seq-1]: token t+1 exists (right-padded rows)
         index = keep.flatten().nonzero().squeeze(1)
         return self._forward_logprobs(model, dict(input_ids=ids, attention_mask=attention), index, keep, entropy)
 
@@ -289,15 +307,15 @@ class GRPOTrainer:
     def _any_rank(self, flag: bool) -> bool:
         return self._max_over_ranks(float(flag)) > 0
 
-    def _packing_holds(self, model, ids, attention, packed_logprobs, packed: "packing.Packed") -> bool:
+    def _packing_holds(self, model, ids, attention, packed_logprobs, keep: torch.Tensor) -> bool:
         """Once, on the first micro-batch: do the packed logprobs match the padded rows'? A model (or
         a transformers too old to read packed position ids) that attends across sequences does
         not, and then the trainer pads from here on, saying so. Every rank runs this same extra
         pass on its first micro-batch (FSDP2's collectives stay in step)."""
         with torch.no_grad():
-            padded, _ = self._padded_logprobs(model, ids, attention, entropy=False)
-        gaps = (padded - packed_logprobs).abs()[packed.keep]
-        exact = self.cfg.dtype == "float32" or self.device.type == "cpu"
+            padded, _ = self._padded_logprobs(model, ids, attention, False, keep)
+        gaps = (padded - packed_logprobs).abs()[keep]
+        exact = self.cfg.dtype == "float32"
         # float32: the largest gap (rounding only, ~1e-6); bfloat16 rounds more, so the mean gap
         gap = float(gaps.max() if exact else gaps.mean()) if gaps.numel() else 0.0
         if self._any_rank(gap > (1e-3 if exact else 2e-2)):          # every rank decides the same
@@ -315,6 +333,8 @@ class GRPOTrainer:
         advantages = mb.advantages.to(self.device)                      # [mb]
         logprobs, entropy = self._token_logprobs(self.model, mb, entropy=True)   # [mb, seq-1] each
         self._micro_logprobs = logprobs.detach()
+        if proximal is None and self._agreement is not None:        # before the step's first optimizer step
+            self._agreement.add(logprobs, behaviour, self._own_tokens(mb))
         proximal = logprobs.detach() if proximal is None else proximal
         loss, metrics = grpo.policy_loss(
             logprobs, proximal, advantages, mask, clip_low=self.cfg.clip_low, clip_high=self.cfg.clip_high,
@@ -335,6 +355,11 @@ class GRPOTrainer:
         metrics = {**metrics, **{f"logprob_{k}": v for k, v in mismatch.items()}, "loss": loss.detach()}
         weight = float(mask.sum()) / max(batch_tokens, 1.0)
         return loss * weight, metrics, weight
+
+    def _own_tokens(self, batch: TrainBatch) -> torch.Tensor:
+        """[rows, seq-1]: response tokens that the trainer's present weights (version = steps taken) sampled."""
+        versions = batch.versions[:, 1:].to(self.device)
+        return batch.loss_mask[:, 1:].to(self.device).bool() & (versions == self.step_count)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, directory: Path, step: int, rollout_state: dict | None, tokenizer=None) -> Path:
