@@ -7,7 +7,7 @@ TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: setup setup-real setup-trl setup-verl setup-vllm test test-vllm demo serve-demo bench clean
+.PHONY: setup setup-real demo-real setup-trl setup-verl setup-vllm test test-vllm demo serve-demo bench clean
 
 setup: $(STAMP)
 
@@ -77,6 +77,10 @@ test: setup
 
 demo: setup
 	$(PY) -m trainer_bridge.train $(DEMO_ARGS)
+
+# The real-model recipe: SmolLM2-135M-Instruct learns sums and differences with GRPO (configs/experiment/smollm2_math.yaml)
+demo-real: setup-real
+	$(PY) -m trainer_bridge.train +experiment=smollm2_math $(DEMO_ARGS)
 
 serve-demo: setup
 	$(PY) -m inference_server.demo

@@ -138,6 +138,22 @@ def shares_cores_with_vllm(job: JobConfig) -> bool:
             and (server.device == "cpu" or (server.device == "auto" and platform_of("auto").device_type == "cpu")))
 
 
+def trainer_cores(job: JobConfig) -> int | None:
+    """Threads for the trainer while its own servers generate on this CPU (async): the cores they leave
+    (each takes cores - 1 by default). Both at full width stall each other at every OpenMP barrier:
+    SmolLM2-135M's train step took 66-70 s beside a generating server with 2 threads on 2 cores, where
+    it takes ~17 s alone. None: leave torch's setting (OMP_NUM_THREADS given, sync mode, other hosts)."""
+    import os
+    from platforms import usable_cores
+    from trainer_bridge.memory import cpu_servers
+    server = job.server
+    if (os.environ.get("OMP_NUM_THREADS") or job.mode != "async" or server.urls or job.cluster.kind != "local"
+            or server.engine != "riptide" or not cpu_servers(server.device) or not cpu_servers(job.trainer.device)):
+        return None
+    cores = usable_cores()
+    return max(1, cores - server.num_servers * max(1, cores - 1))
+
+
 def run(job: JobConfig) -> dict | None:
     """The job; on k trainer ranks (trainer.world_size) this is rank 0's summary, None on the others."""
     job = job.validate()
@@ -155,6 +171,8 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         # on one of those cores holds back every op of the others (a train step 1.3 s against 0.07 s
         # on one thread, on 2 cores)
         torch.set_num_threads(1)
+    elif trainer_cores(job) is not None and lead.world == 1:
+        torch.set_num_threads(trainer_cores(job))
     run_dir = Path(job.run_dir)
     if lead.rank == 0:
         save_config(job, run_dir)
