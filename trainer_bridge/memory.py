@@ -9,8 +9,8 @@ never more than every running sequence at the full context could use. On an acce
 other hosts (`cluster=ray`, `server.urls`), each server sizes its own cache (inference_server/kv_cache.py).
 
 The estimates are deliberately round (activations of a decoder layer ~ (5 x hidden + 3 x intermediate)
-float32 values a token, as a Llama layer keeps them for backward: 29 KB measured on SmolLM2-135M); measured on SmolLM2-135M by
-bench/real_model.py, whose JSON reports each process's peak RSS."""
+float32 values a token, as a Llama layer keeps them for backward: 29 KB measured on SmolLM2-135M);
+bench/real_model.py reports each process's peak RSS to check them against."""
 from __future__ import annotations
 
 import json
@@ -43,7 +43,11 @@ class ModelShape:
         vocab = config["vocab_size"]
         per_layer = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter
         embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
-        return cls(params=embeddings + layers * per_layer, kv_bytes_per_token=2 * layers * kv_heads * head_dim * 4,
+        import torch
+        from types import SimpleNamespace
+        from inference_server.kv_cache import kv_bytes_per_token
+        return cls(params=embeddings + layers * per_layer,
+                   kv_bytes_per_token=kv_bytes_per_token(SimpleNamespace(**config), torch.float32),
                    layers=layers, hidden=hidden, intermediate=inter, vocab=vocab)
 
 
@@ -55,6 +59,7 @@ class MemoryPlan:
     kv_each: int                 # one server's KV budget
     trainer: int
     rollout: int
+    kv_bytes_per_token: int      # the model's, float32
 
     @property
     def total(self) -> int:
@@ -82,6 +87,12 @@ def cpu_servers(device: str) -> bool:
     return choose_device(device).type == "cpu"
 
 
+def local_cpu_servers(job) -> bool:
+    """Whether the job starts its own embedded servers as processes on this host's CPU."""
+    s = job.server
+    return not s.urls and job.cluster.kind == "local" and s.engine == "riptide" and cpu_servers(s.device)
+
+
 def model_shape(path: str) -> ModelShape | None:
     try:
         return ModelShape.of(json.loads((Path(path) / "config.json").read_text()))
@@ -107,7 +118,7 @@ def trainer_bytes(shape: ModelShape, job) -> int:
 def plan_of(job, available: int | None = None) -> MemoryPlan | None:
     """The job's memory on this host, or None where the servers are not this host's CPU processes."""
     s = job.server
-    if s.urls or job.cluster.kind != "local" or s.engine != "riptide" or not cpu_servers(s.device):
+    if not local_cpu_servers(job):
         return None
     shape = model_shape(job.model.path)
     if shape is None:
@@ -122,13 +133,12 @@ def plan_of(job, available: int | None = None) -> MemoryPlan | None:
         left = available - s.num_servers * server_fixed - trainer - rollout
         full = s.max_running_requests * s.context_length * shape.kv_bytes_per_token
         kv = max(0, min(full, int(left * KV_SHARE / max(1, s.num_servers))))
-    return MemoryPlan(available, s.num_servers, server_fixed, kv, trainer, rollout)
+    return MemoryPlan(available, s.num_servers, server_fixed, kv, trainer, rollout, shape.kv_bytes_per_token)
 
 
 def plan_problems(job, p: MemoryPlan) -> list[str]:
     """What does not fit, naming the knob; [] when the plan does."""
-    shape = model_shape(job.model.path)
-    one = job.server.context_length * shape.kv_bytes_per_token
+    one = job.server.context_length * p.kv_bytes_per_token
     out = []
     if p.kv_each < one:
         knob = f"server.kv_cache_gb={job.server.kv_cache_gb:g}" if job.server.kv_cache_gb else \

@@ -145,13 +145,12 @@ def trainer_cores(job: JobConfig) -> int | None:
     it takes ~17 s alone. None: leave torch's setting (OMP_NUM_THREADS given, sync mode, other hosts)."""
     import os
     from platforms import usable_cores
-    from trainer_bridge.memory import cpu_servers
-    server = job.server
-    if (os.environ.get("OMP_NUM_THREADS") or job.mode != "async" or server.urls or job.cluster.kind != "local"
-            or server.engine != "riptide" or not cpu_servers(server.device) or not cpu_servers(job.trainer.device)):
+    from trainer_bridge.memory import cpu_servers, local_cpu_servers
+    if (os.environ.get("OMP_NUM_THREADS") or job.mode != "async" or not local_cpu_servers(job)
+            or not cpu_servers(job.trainer.device)):
         return None
     cores = usable_cores()
-    return max(1, cores - server.num_servers * max(1, cores - 1))
+    return max(1, cores - job.server.num_servers * max(1, cores - 1))
 
 
 def run(job: JobConfig) -> dict | None:
@@ -171,8 +170,8 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         # on one of those cores holds back every op of the others (a train step 1.3 s against 0.07 s
         # on one thread, on 2 cores)
         torch.set_num_threads(1)
-    elif trainer_cores(job) is not None and lead.world == 1:
-        torch.set_num_threads(trainer_cores(job))
+    elif lead.world == 1 and (cores := trainer_cores(job)) is not None:
+        torch.set_num_threads(cores)
     run_dir = Path(job.run_dir)
     if lead.rank == 0:
         save_config(job, run_dir)
