@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts import Hosts, namespaces_refused
+from trainer_bridge.job.monitor import read_rows
 
 pytestmark = pytest.mark.skipif(namespaces_refused() is not None, reason=namespaces_refused() or "")
 
@@ -71,12 +72,9 @@ def ray_hosts(tmp_path_factory):
 
 def server_urls(run_dir: Path) -> list[str]:
     """The servers a running job uses, from its metrics rows (fleet/tokens_per_s/<host:port>)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
     urls = set()
-    for line in path.read_text().splitlines():
-        urls |= {k.split("/", 2)[2] for k in json.loads(line) if k.startswith("fleet/tokens_per_s/")}
+    for row in read_rows(run_dir / "metrics.jsonl"):
+        urls |= {k.split("/", 2)[2] for k in row if k.startswith("fleet/tokens_per_s/")}
     return sorted(f"http://{u}" for u in urls)
 
 
@@ -171,8 +169,7 @@ def test_two_trainer_ranks_across_hosts_save_and_resume(ray_hosts):
 
 
 def rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_rows(run_dir / "metrics.jsonl")  # the job may be writing it
 
 
 def answers(host, url: str) -> bool:

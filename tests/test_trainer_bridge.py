@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from trainer_bridge.job.monitor import read_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["rollout.group_size=4", "rollout.batch_size=4", "server.context_length=64", "logger.progress=false"]
 
@@ -423,7 +425,7 @@ def test_a_dead_server_does_not_end_the_job(tmp_path):
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def rows():
-        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        return read_rows(metrics)  # the job is writing it
     try:
         deadline = time.monotonic() + 180
         while len(rows()) < 3:

@@ -53,11 +53,11 @@ class Monitor:
         self.cfg, self.run_dir, self.config = cfg, Path(run_dir), config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.history = self._earlier_steps(first_step)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self.jsonl = _Lines(self.run_dir / "metrics.jsonl")
         self.trained = None
         if isinstance(config, dict) and config.get("weight_sync", {}).get("audit"):
             _keep_steps_before(self.run_dir / "trained.jsonl", first_step)
-            self.trained = open(self.run_dir / "trained.jsonl", "a")
+            self.trained = _Lines(self.run_dir / "trained.jsonl")
         self.run = None
         mode = wandb_mode(cfg)
         if mode != "disabled":
@@ -111,11 +111,9 @@ class Monitor:
         record = {"step": step, **flat, "staleness_hist": metrics.get("staleness_hist", {}),
                   "drops": metrics.get("drops", {})}
         self.history.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self.jsonl.append(record)
         if self.trained is not None:
-            self.trained.write(json.dumps({"step": step, "samples": [trained_record(s) for s in samples or []]}) + "\n")
-            self.trained.flush()
+            self.trained.append({"step": step, "samples": [trained_record(s) for s in samples or []]})
         if self.run is not None:
             import wandb
             payload = dict(flat)
@@ -139,8 +137,7 @@ class Monitor:
         """A validation row of its own (the final weights'), in metrics.jsonl and wandb."""
         record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
         self.history.append(record)
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self.jsonl.append(record)
         if self.run is not None:
             self.run.log({k: v for k, v in record.items() if k != "step"}, step=step)
 
@@ -207,6 +204,34 @@ class Monitor:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return str(path)
+
+
+class _Lines:
+    """A JSON-lines file that others read while it grows: each record goes out in one write(2) on an
+    O_APPEND descriptor, so a reader sees whole lines or an unterminated tail (read_rows skips it),
+    never a line cut mid-record by a buffer flush."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, record: dict) -> None:
+        data = (json.dumps(record) + "\n").encode()
+        while data:
+            data = data[os.write(self.fd, data):]
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def read_rows(path) -> list[dict]:
+    """The records of a JSON-lines file another process may be writing: only newline-ended lines."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line]
 
 
 def _keep_steps_before(path: Path, first_step: int) -> list[dict]:
