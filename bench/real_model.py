@@ -6,7 +6,7 @@ through /proc for its peak resident memory (VmHWM). Held-out accuracy comes from
 validation (greedy, before the first step and after the last). Ends with one JSON line:
 
     peak_rss_server_gb, peak_rss_trainer_gb, peak_rss_rollout_gb, peak_rss_sum_gb (the worst seed's),
-    step_s_median, gen_tok_s, train_tok_s (medians over the steps of every run),
+    step_s_median, gen_tok_s, train_tok_s (medians over the steps of every run; step_s_median_per_run),
     heldout_acc_before, heldout_acc_after (per seed lists, and the deltas),
     logprob_abs_diff_mean (rollout_corr/, the median step), killed (any process killed), minutes
 
@@ -158,6 +158,7 @@ def main() -> None:
         "peak_rss_rollout_gb": round(max(r["peaks"].get("rollout", 0.0) for r in runs), 2),
         "peak_rss_sum_gb": round(worst.get("sum", 0.0), 2),
         "step_s_median": median([s for r in runs for s in step_seconds(r["records"])]),
+        "step_s_median_per_run": [median(step_seconds(r["records"])) for r in runs],
         "gen_tok_s": median(series(records, "rollout/tokens_per_s")),
         "train_tok_s": median(series(records, "train/trainer_tokens_per_s")),
         "heldout_acc_before": before, "heldout_acc_after": after,
