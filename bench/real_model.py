@@ -12,6 +12,8 @@ validation (greedy, before the first step and after the last). Ends with one JSO
 
     python bench/real_model.py                       # two seeds at the recipe's settings
     python bench/real_model.py --seeds 0 --steps 5   # a short look
+    python bench/real_model.py --experiment '' --seeds 0 --steps 5 --override model=smollm2 task=gsm8k task.path=F
+                                                     # the README's gsm8k recipe at its defaults: its memory
 """
 from __future__ import annotations
 
@@ -98,7 +100,8 @@ class PeakWatch:
 
 def run_job(seed: int, args, root: Path) -> dict:
     run_dir = root / f"seed{seed}"
-    cmd = [sys.executable, "-m", "trainer_bridge.train", f"+experiment={args.experiment}", f"seed={seed}",
+    cmd = [sys.executable, "-m", "trainer_bridge.train", *([f"+experiment={args.experiment}"] if args.experiment else []),
+           f"seed={seed}",
            f"trainer.seed={seed}", f"run_dir={run_dir}", "logger.progress=false", "logger.mode=offline",
            *([f"trainer.steps={args.steps}"] if args.steps else []), *args.override]
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -136,7 +139,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--steps", type=int, default=0, help="override the recipe's trainer.steps")
-    p.add_argument("--experiment", default="smollm2_math")
+    p.add_argument("--experiment", default="smollm2_math", help="'' for none: the defaults and --override alone")
     p.add_argument("--override", nargs="*", default=[], help="more riptide-train overrides")
     p.add_argument("--keep", default="", help="keep the runs in this directory")
     args = p.parse_args()
