@@ -249,6 +249,16 @@ SHORT = ["trainer.steps=50", "task.num_digits=1", "rollout.max_new_tokens=2", "r
          "rollout.batch_size=8", "trainer.lr=0.005", "trainer.checkpoint_every=0"]
 
 
+def test_the_default_lr_is_one_for_the_model_at_hand(tiny_model, tmp_path):
+    """trainer.lr's default (0: auto) teaches a tiny model from scratch at 1e-3 and leaves a pretrained
+    checkpoint at 1e-6: 1e-3 wrecked SmolLM2 in 5 steps (answers to max_new_tokens); a given lr stays."""
+    from trainer_bridge.train import compose_job
+    tiny = compose_job(["model=tiny", f"model.path={tmp_path / 'tiny'}"]).validate()
+    checkpoint = compose_job(["model=local", f"model.path={tiny_model}"]).validate()
+    given = compose_job(["model=local", f"model.path={tiny_model}", "trainer.lr=3e-5"]).validate()
+    assert (tiny.trainer.lr, checkpoint.trainer.lr, given.trainer.lr) == (1e-3, 1e-6, 3e-5)
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
     """The same short GRPO job on 1 or k trainer ranks, each run once for the module: its

