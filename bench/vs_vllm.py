@@ -182,6 +182,7 @@ def main() -> None:
     a = p.parse_args()
     from platforms import usable_cores
     scratch = Path(a.scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
     if a.model is None:
         a.model = str(REAL_MODEL) if (REAL_MODEL / "config.json").exists() else "tiny"
     if a.model == "tiny":

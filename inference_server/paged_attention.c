@@ -1,4 +1,4 @@
-/* Decode attention read in place from a paged KV cache (fp32, CPU): what PagedDecoderRunner calls
+/* Decode attention read in place from a paged KV cache (fp32 or bf16 keys and values, CPU): what PagedDecoderRunner calls
  * instead of gathering each row's blocks into a workspace and running SDPA there. Each row has one
  * query token; the query heads that share a KV head are done together, block by block, with an
  * online softmax (flash-decoding's recurrence), so each key and value is read once, from its block.
@@ -6,11 +6,15 @@
  * Built by inference_server/paged_kernel.py with the machine's C compiler (no torch headers) and
  * called through ctypes, which lets go of the GIL for the call.
  *
- * q:      [rows, heads, head_dim] (row stride q_row floats), heads = kv_heads * group
- * kp, vp: [blocks, kv_heads, block_size, head_dim], one layer's keys and values
+ * This file is read twice by the compiler (it includes itself): once for fp32 keys and values
+ * (riptide_paged_decode_f32) and once for bf16 ones (riptide_paged_decode_bf16, each loaded 16 at a
+ * time and widened to fp32, so the arithmetic is fp32 in both).
+ *
+ * q:      [rows, heads, head_dim] fp32 (row stride q_row floats), heads = kv_heads * group
+ * kp, vp: [blocks, kv_heads, block_size, head_dim], one layer's keys and values (fp32 or bf16)
  * table:  [rows, table_row] block ids, row r's first ceil(lens[r] / block_size) used
  * lens:   [rows] key positions row r attends to (its own position + 1)
- * out:    [rows, heads, head_dim] (row stride out_row floats)
+ * out:    [rows, heads, head_dim] fp32 (row stride out_row floats)
  */
 #include <math.h>
 #include <pthread.h>
@@ -23,8 +27,10 @@
 #define MAX_BLOCK 256
 #define MAX_THREADS 64
 
+#ifndef KV_T
 typedef struct {
-    const float *q, *kp, *vp;
+    const float *q;
+    const void *kp, *vp;
     const int64_t *table, *lens;
     float *out;
     int64_t q_row, table_row, out_row, w0, w1;
@@ -49,18 +55,6 @@ static inline __m512 sum16(const __m512 *v) {
                                     _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/* s[j] = scale * q . k[j] for 16 consecutive keys (D a multiple of 16) */
-static inline void dots16(const float *q, const float *k, int D, float scale, float *s) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) {
-        const float *kj = k + j * D;
-        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj));
-        for (int i = 16; i < D; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(kj + i), a);
-        acc[j] = a;
-    }
-    _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
 }
 
 /* e^(s[t] - mx) in place for t < n (n a multiple of 16), returning their sum: exp_neg's
@@ -93,39 +87,13 @@ static inline float max16(const float *s, int n, float mx) {
     return _mm512_reduce_max_ps(m);
 }
 
-/* acc[:D] = acc * corr + sum_t p[t] v[t] (D a multiple of 64): 64 columns at a time in registers */
-static inline void pv64(float *acc, const float *p, const float *v, int n, int D, float corr) {
-    const __m512 c = _mm512_set1_ps(corr);
-    for (int i = 0; i < D; i += 64) {
-        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), c);
-        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 48), c);
-        for (int t = 0; t < n; t++) {
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            const float *vt = v + t * D + i;
-            a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 16), a1);
-            a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 32), a2);
-            a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vt + 48), a3);
-        }
-        _mm512_storeu_ps(acc + i, a0);
-        _mm512_storeu_ps(acc + i + 16, a1);
-        _mm512_storeu_ps(acc + i + 32, a2);
-        _mm512_storeu_ps(acc + i + 48, a3);
-    }
-}
 #define DOTS16(D) ((D) % 16 == 0)
 #define VEC16(D, n) ((D) % 64 == 0 && (n) % 16 == 0)
 #else
 #define VEC16(D, n) 0
+#define DOTS16(D) 0
 static inline float exp_sum16(float *s, int n, float mx) { (void)s, (void)n, (void)mx; return 0.f; }
 static inline float max16(const float *s, int n, float mx) { (void)s, (void)n; return mx; }
-static inline void pv64(float *acc, const float *p, const float *v, int n, int D, float corr) {
-    (void)acc, (void)p, (void)v, (void)n, (void)D, (void)corr;
-}
-#define DOTS16(D) 0
-static inline void dots16(const float *q, const float *k, int D, float scale, float *s) {
-    (void)q, (void)k, (void)D, (void)scale, (void)s;
-}
 #endif
 
 /* e^x for x <= 0 (softmax after its max is taken away), vectorisable: x = n ln2 + f ln2, e^x =
@@ -145,10 +113,80 @@ static inline float exp_neg(float x) {
     return p * u.f;
 }
 
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)x << 16;
+    return u.f;
+}
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define NAME(x) CAT(x, SUF)
+
+#define KV_T float
+#define SUF f32
+#define SCALAR(x) (x)
+#define LOAD16(p) _mm512_loadu_ps(p)
+#include "paged_attention.c"
+#undef KV_T
+#undef SUF
+#undef SCALAR
+#undef LOAD16
+
+#define KV_T uint16_t
+#define SUF bf16
+#define SCALAR(x) bf16_to_f32(x)
+#define LOAD16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#include "paged_attention.c"
+
+#else   /* KV_T: the kernel for keys and values of type KV_T */
+#if defined(__AVX512F__)
+/* s[j] = scale * q . k[j] for 16 consecutive keys (D a multiple of 16) */
+static inline void NAME(dots16)(const float *q, const KV_T *k, int D, float scale, float *s) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) {
+        const KV_T *kj = k + j * D;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), LOAD16(kj));
+        for (int i = 16; i < D; i += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), LOAD16(kj + i), a);
+        acc[j] = a;
+    }
+    _mm512_storeu_ps(s, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+}
+
+/* acc[:D] = acc * corr + sum_t p[t] v[t] (D a multiple of 64): 64 columns at a time in registers */
+static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, int D, float corr) {
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int i = 0; i < D; i += 64) {
+        __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(acc + i), c), a1 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 16), c);
+        __m512 a2 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 32), c), a3 = _mm512_mul_ps(_mm512_loadu_ps(acc + i + 48), c);
+        for (int t = 0; t < n; t++) {
+            const __m512 pt = _mm512_set1_ps(p[t]);
+            const KV_T *vt = v + t * D + i;
+            a0 = _mm512_fmadd_ps(pt, LOAD16(vt), a0);
+            a1 = _mm512_fmadd_ps(pt, LOAD16(vt + 16), a1);
+            a2 = _mm512_fmadd_ps(pt, LOAD16(vt + 32), a2);
+            a3 = _mm512_fmadd_ps(pt, LOAD16(vt + 48), a3);
+        }
+        _mm512_storeu_ps(acc + i, a0);
+        _mm512_storeu_ps(acc + i + 16, a1);
+        _mm512_storeu_ps(acc + i + 32, a2);
+        _mm512_storeu_ps(acc + i + 48, a3);
+    }
+}
+#else
+static inline void NAME(dots16)(const float *q, const KV_T *k, int D, float scale, float *s) {
+    (void)q, (void)k, (void)D, (void)scale, (void)s;
+}
+static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, int D, float corr) {
+    (void)acc, (void)p, (void)v, (void)n, (void)D, (void)corr;
+}
+#endif
+
 /* One (row, KV head): its `group` query heads over the row's blocks. D is a constant in the
  * specialised copies (64, 128), so a head's accumulator stays in registers across a block. */
-#define ONE_HEAD(NAME, DIM)                                                                        \
-    static void NAME(const job_t *j, int64_t r, int h, float *s) {                                  \
+#undef ONE_HEAD
+#define ONE_HEAD(FN, DIM)                                                                        \
+    static void FN(const job_t *j, int64_t r, int h, float *s) {                                  \
         const int G = j->group, D = (DIM) ? (DIM) : j->head_dim, BS = j->block_size;                \
         const float *qh = j->q + r * j->q_row + (int64_t)h * G * D;                                 \
         const int64_t len = j->lens[r];                                                             \
@@ -158,26 +196,27 @@ static inline float exp_neg(float x) {
         for (int64_t b = 0; b * BS < len; b++) {                                                    \
             const int n = (int)(len - b * BS < BS ? len - b * BS : BS);                             \
             const int64_t page = j->table[r * j->table_row + b] * j->kv_heads + h;                  \
-            const float *kb = j->kp + page * BS * D, *vb = j->vp + page * BS * D;                   \
+            const KV_T *kb = (const KV_T *)j->kp + page * BS * D, *vb = (const KV_T *)j->vp + page * BS * D;                   \
             const int64_t ahead = (b + 1) * BS < len ? j->table[r * j->table_row + b + 1] * j->kv_heads + h : page; \
-            const char *kn = (const char *)(j->kp + ahead * BS * D), *vn = (const char *)(j->vp + ahead * BS * D); \
+            const char *kn = (const char *)((const KV_T *)j->kp + ahead * BS * D), *vn = (const char *)((const KV_T *)j->vp + ahead * BS * D); \
             int t0 = 0;                                                                             \
             if (DOTS16(D))                                                                          \
                 for (; t0 + 16 <= n; t0 += 16) {                                                    \
                     /* the next block's same keys and values (this one's on the last), while these run */ \
-                    for (int c = 0; c < 16 * D * 4; c += 64) {                                      \
-                        __builtin_prefetch(kn + t0 * D * 4 + c);                                    \
-                        __builtin_prefetch(vn + t0 * D * 4 + c);                                    \
+                    for (int c = 0; c < 16 * D * (int)sizeof(KV_T); c += 64) {                                      \
+                        __builtin_prefetch(kn + t0 * D * sizeof(KV_T) + c);                                    \
+                        __builtin_prefetch(vn + t0 * D * sizeof(KV_T) + c);                                    \
                     }                                                                               \
                     for (int g = 0; g < G; g++)                                                     \
-                        dots16(qh + g * D, kb + t0 * D, D, j->scale, s + g * BS + t0);              \
+                        NAME(dots16)(qh + g * D, kb + t0 * D, D, j->scale, s + g * BS + t0);              \
                 }                                                                                   \
             for (int t = t0; t < n; t++)                                                            \
                 for (int g = 0; g < G; g++) {                                                       \
-                    const float *qg = qh + g * D, *kt = kb + t * D;                                 \
+                    const float *qg = qh + g * D;                                   \
+                    const KV_T *kt = kb + t * D;                                 \
                     float d = 0.f;                                                                  \
                     _Pragma("omp simd reduction(+ : d)")                                            \
-                    for (int i = 0; i < D; i++) d += qg[i] * kt[i];                                 \
+                    for (int i = 0; i < D; i++) d += qg[i] * SCALAR(kt[i]);                                 \
                     s[g * BS + t] = d * j->scale;                                                   \
                 }                                                                                   \
             for (int g = 0; g < G; g++) {                                                           \
@@ -186,7 +225,7 @@ static inline float exp_neg(float x) {
                     mx = max16(sg, n, mx);                                                          \
                     sum = exp_sum16(sg, n, mx);                                                     \
                     const float corr = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mx);                \
-                    pv64(acc + g * D, sg, vb, n, D, corr);                                          \
+                    NAME(pv64)(acc + g * D, sg, vb, n, D, corr);                                          \
                     l[g] = l[g] * corr + sum;                                                       \
                     m[g] = mx;                                                                      \
                     continue;                                                                       \
@@ -198,9 +237,10 @@ static inline float exp_neg(float x) {
                 float a[(DIM) ? (DIM) : MAX_HEAD_DIM], *ag = acc + g * D;                           \
                 for (int i = 0; i < D; i++) a[i] = ag[i] * corr;                                    \
                 for (int t = 0; t < n; t++) {                                                       \
-                    const float p = sg[t], *vt = vb + t * D;                                        \
+                    const float p = sg[t];                                      \
+                    const KV_T *vt = vb + t * D;                                        \
                     _Pragma("omp simd")                                                             \
-                    for (int i = 0; i < D; i++) a[i] += p * vt[i];                                  \
+                    for (int i = 0; i < D; i++) a[i] += p * SCALAR(vt[i]);                                  \
                 }                                                                                   \
                 for (int i = 0; i < D; i++) ag[i] = a[i];                                           \
                 l[g] = l[g] * corr + sum;                                                           \
@@ -214,22 +254,22 @@ static inline float exp_neg(float x) {
         }                                                                                           \
     }
 
-ONE_HEAD(head_64, 64)
-ONE_HEAD(head_128, 128)
-ONE_HEAD(head_any, 0)
+ONE_HEAD(NAME(head_64), 64)
+ONE_HEAD(NAME(head_128), 128)
+ONE_HEAD(NAME(head_any), 0)
 
-static void *run(void *arg) {
+static void *NAME(run)(void *arg) {
     const job_t *j = (const job_t *)arg;
     float s[MAX_GROUP * MAX_BLOCK];
     void (*head)(const job_t *, int64_t, int, float *) =
-        j->head_dim == 64 ? head_64 : j->head_dim == 128 ? head_128 : head_any;
+        j->head_dim == 64 ? NAME(head_64) : j->head_dim == 128 ? NAME(head_128) : NAME(head_any);
     for (int64_t w = j->w0; w < j->w1; w++) head(j, w / j->kv_heads, (int)(w % j->kv_heads), s);
     return NULL;
 }
 
 /* Returns 0, or -1 for sizes it was not built for (the caller falls back). `threads` > 1 deals the
  * (row, KV head) items to that many threads in runs of about equal key positions. */
-int riptide_paged_decode_f32(const float *q, int64_t q_row, const float *kp, const float *vp,
+int NAME(riptide_paged_decode)(const float *q, int64_t q_row, const KV_T *kp, const KV_T *vp,
                              const int64_t *table, int64_t table_row, const int64_t *lens, float *out,
                              int64_t out_row, int64_t rows, int kv_heads, int group, int head_dim,
                              int block_size, float scale, int threads) {
@@ -239,7 +279,7 @@ int riptide_paged_decode_f32(const float *q, int64_t q_row, const float *kp, con
                   kv_heads, group, head_dim, block_size, scale};
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1 || rows * kv_heads < 2) {
-        run(&base);
+        NAME(run)(&base);
         return 0;
     }
     const int64_t items = rows * kv_heads;
@@ -265,11 +305,12 @@ int riptide_paged_decode_f32(const float *q, int64_t q_row, const float *kp, con
         jobs[t].w0 = jobs[t].w1 = items;
     }
     for (int t = 1; t < threads; t++)
-        started[t] = jobs[t].w1 > jobs[t].w0 && pthread_create(&tids[t], NULL, run, &jobs[t]) == 0;
-    run(&jobs[0]);
+        started[t] = jobs[t].w1 > jobs[t].w0 && pthread_create(&tids[t], NULL, NAME(run), &jobs[t]) == 0;
+    NAME(run)(&jobs[0]);
     for (int t = 1; t < threads; t++) {
         if (started[t]) pthread_join(tids[t], NULL);
-        else run(&jobs[t]);
+        else NAME(run)(&jobs[t]);
     }
     return 0;
 }
+#endif  /* KV_T */

@@ -69,39 +69,49 @@ def _load():
         log.warning("paged-attention kernel not built (%s%s): the paged KV cache gathers blocks instead",
                     e, (": " + detail.decode(errors="replace")[-500:]) if detail else "")
         return None
-    fn = lib.riptide_paged_decode_f32
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
-    fn.restype = i32
-    return fn
+    fns = {}
+    for dtype, name in ((torch.float32, "riptide_paged_decode_f32"), (torch.bfloat16, "riptide_paged_decode_bf16")):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
+        fn.restype = i32
+        fns[dtype] = fn
+    return fns
 
 
 def decode_kernel(device: torch.device | None = None, dtype: torch.dtype = torch.float32):
-    """The loaded kernel function for a cache on `device` in `dtype`, or None (not fp32 on a CPU, or
-    see the module's docstring). Built at most once a process."""
-    if (device is not None and torch.device(device).type != "cpu") or dtype != torch.float32:
+    """The loaded kernel function for a cache on `device` in `dtype`, or None (not fp32 or bf16 on a
+    CPU, or see the module's docstring). Built at most once a process."""
+    if (device is not None and torch.device(device).type != "cpu") or dtype not in (torch.float32, torch.bfloat16):
         return None
     with _lock:
-        if "fn" not in _loaded:
-            _loaded["fn"] = _load()
-        return _loaded["fn"]
+        if "fns" not in _loaded:
+            _loaded["fns"] = _load()
+        return None if _loaded["fns"] is None else _loaded["fns"][dtype]
 
 
 def paged_decode(fn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, table: torch.Tensor,
                  lens: torch.Tensor, out: torch.Tensor, scale: float, threads: int = 1) -> None:
     """out[r] = attention of q[r] (one token: [heads, head_dim]) over row r's first lens[r] key
     positions, read from pages kp, vp ([blocks, kv_heads, block_size, head_dim]) through
-    table[r] (block ids). fp32 CPU tensors; q and out may be row views of larger tensors."""
+    table[r] (block ids). CPU tensors, the pages fp32 or bf16 (`fn` the kernel for theirs: the
+    arithmetic is fp32 either way, a bf16 q and out converted around the call); q and out may be row
+    views of larger tensors."""
     rows, heads, head_dim = q.shape
     _, kv_heads, block_size, _ = kp.shape
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
+    wide = out
+    if q.dtype != torch.float32:
+        q, wide = q.float(), torch.empty(out.shape, dtype=torch.float32)
+    elif q.stride(2) != 1 or q.stride(1) != head_dim:
         q = q.contiguous()
-    assert out.stride(1) == head_dim and out.stride(2) == 1, "out: rows of [heads, head_dim]"
+    assert wide.stride(1) == head_dim and wide.stride(2) == 1, "out: rows of [heads, head_dim]"
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in (kp, vp, table, lens))
-    assert q.dtype == kp.dtype == vp.dtype == out.dtype == torch.float32 and table.dtype == lens.dtype == torch.int64
+    assert kp.dtype == vp.dtype and table.dtype == lens.dtype == torch.int64
     rc = fn(q.data_ptr(), q.stride(0), kp.data_ptr(), vp.data_ptr(), table.data_ptr(), table.stride(0),
-            lens.data_ptr(), out.data_ptr(), out.stride(0), rows, kv_heads, heads // kv_heads, head_dim,
+            lens.data_ptr(), wide.data_ptr(), wide.stride(0), rows, kv_heads, heads // kv_heads, head_dim,
             block_size, scale, threads)
+    if wide is not out:
+        out.copy_(wide)
     if rc != 0:
         raise ValueError(f"paged-attention kernel: sizes it was not built for (group {heads // kv_heads}, "
                          f"head_dim {head_dim}, block_size {block_size})")

@@ -197,27 +197,31 @@ def test_the_block_allocator_refuses_what_would_corrupt_it():
     assert a.num_free == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (128, 1, 32), (40, 4, 8)])
-def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, group, block_size):
+def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, group, block_size, dtype):
     """paged_attention.c against SDPA over each row's blocks gathered in order: ragged rows (one
-    position, a partial last block, exactly full blocks), blocks in any order, one and three threads."""
+    position, a partial last block, exactly full blocks), blocks in any order, one and three threads;
+    fp32 and bf16 pages (a bf16 server's cache: the same fp32 arithmetic on the bf16 values)."""
     from inference_server.paged_kernel import decode_kernel, paged_decode
-    fn = decode_kernel()
+    fn = decode_kernel(dtype=dtype)
     assert fn is not None, "the C kernel did not build (a C compiler is part of `make setup`)"
     g = torch.Generator().manual_seed(head_dim)
     kv_heads, lens = 2, torch.tensor([1, block_size, block_size + 1, 7 * block_size, 300, 33], dtype=torch.long)
     most = int(-(-lens.max() // block_size))
-    kp, vp = (torch.randn(len(lens) * most + 3, kv_heads, block_size, head_dim, generator=g) for _ in range(2))
+    kp, vp = (torch.randn(len(lens) * most + 3, kv_heads, block_size, head_dim, generator=g).to(dtype) for _ in range(2))
     table = torch.randperm(kp.shape[0], generator=g)[:len(lens) * most].view(len(lens), most).contiguous()
-    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g)
-    want = torch.empty_like(q)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
+    want = torch.empty(q.shape)
     for r, n in enumerate(lens.tolist()):
-        k, v = (p[table[r]].transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n] for p in (kp, vp))
-        want[r] = F.scaled_dot_product_attention(q[r].view(kv_heads, group, head_dim), k, v, scale=0.1).flatten(0, 1)
+        k, v = (p[table[r]].float().transpose(0, 1).reshape(kv_heads, -1, head_dim)[:, :n] for p in (kp, vp))
+        want[r] = F.scaled_dot_product_attention(q[r].float().view(kv_heads, group, head_dim), k, v,
+                                                 scale=0.1).flatten(0, 1)
     for threads in (1, 3):
         out = torch.full_like(q, float("nan"))
         paged_decode(fn, q, kp, vp, table, lens, out, 0.1, threads)
-        assert torch.allclose(out, want, atol=1e-5, rtol=1e-4), threads
+        assert torch.allclose(out.float(), want.to(dtype).float() if dtype != torch.float32 else want,
+                              atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-4 if dtype == torch.float32 else 1e-2), threads
 
 
 def test_a_partial_rollout_resumed_under_the_same_weights_takes_its_blocks_from_the_prefix_cache(tiny_model):
