@@ -16,8 +16,13 @@ threads, big steps split in two). Both are up for the whole run and measured in 
 vLLM, Riptide per round), so drift on the machine falls on both; each is first warmed up with a whole
 pass of the same shape (another seed): vLLM's first pass after start-up is ~25% slower than its later ones.
 
+First, for each server dtype in `--agreement` (float32 and bfloat16 by default), a Riptide server samples
+answers to 8 chat prompts (2 each, 96 tokens, temperature 1) and transformers in float32 (the trainer's
+recompute) scores the same tokens: `logprob_abs_diff_mean` and `logprob_abs_diff_max`, by dtype.
+
 Prints one JSON line: `riptide_tok_s`, `vllm_tok_s` (generated tokens per second, each the mean of
-its passes), `ratio_vs_vllm`, p50 / p99 request latency for both, every pass, and vLLM's binding.
+its passes), `ratio_vs_vllm`, p50 / p99 request latency for both, every pass, vLLM's binding, both
+engines' settings and the logprob agreement.
 """
 from __future__ import annotations
 
@@ -160,6 +165,54 @@ def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bin
             proc.wait()
 
 
+QUESTIONS = ["What is 17 + 25? End with '#### <number>'.", "Name a colour of the sky.",
+             "Tom has 3 apples and buys 4 more. How many apples does he have?",
+             "Write one sentence about the sea.", "What is 120 - 45?", "List three fruits.",
+             "A train travels 60 km in an hour. How far does it go in 3 hours?", "Say hello in French."]
+
+
+def logprob_agreement(model: Path, dtypes: list[str], scratch: Path, new_tokens: int = 96, samples: int = 2) -> dict:
+    """For each server dtype: a Riptide server samples `samples` answers (temperature 1, seeded) to
+    chat prompts, and the trainer's recompute (transformers in float32, the trainer's default dtype,
+    teacher-forced over prompt + answer) scores the same tokens: the mean and largest absolute
+    difference of the per-token logprobs."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = []
+    for q in QUESTIONS:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) \
+            if tok.chat_template else tok(q)["input_ids"]
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = [p for p in prompts for _ in range(samples)]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    out = {"logprob_abs_diff_mean": {}, "logprob_abs_diff_max": {}}
+    for dtype in dtypes:
+        with riptide_server(model, "--dtype", dtype, "--context-length", "1024", "--kv-cache-gb", "0.5",
+                            log_path=str(scratch / f"agreement_{dtype}_server.log")) as (url, _):
+            r = httpx.post(f"{url}/generate", timeout=600, json={
+                "input_ids": prompts, "return_logprob": True,
+                "sampling_params": [{"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True, "seed": i}
+                                    for i in range(len(prompts))]})
+            r.raise_for_status()
+            replies = r.json()
+        diffs = []
+        with torch.no_grad():
+            for prompt, reply in zip(prompts, replies):
+                ids = reply["output_ids"]
+                got = torch.tensor([lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+                logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].double()
+                want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+                diffs.append((got - want).abs())
+        d = torch.cat(diffs)
+        out["logprob_abs_diff_mean"][dtype] = float(f"{d.mean().item():.3g}")
+        out["logprob_abs_diff_max"][dtype] = float(f"{d.max().item():.3g}")
+        log(f"logprobs, server {dtype} against the trainer's float32 recompute ({d.numel()} tokens): "
+            f"mean {d.mean().item():.2e}, max {d.max().item():.2e}")
+    return out | {"logprob_tokens": int(d.numel()), "logprob_reference": "transformers float32, teacher-forced"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=256)
@@ -179,6 +232,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help=f"an HF folder, or tiny (default: {REAL_MODEL} when make setup-real "
                    "has made it, else tiny)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both engines' weights and activations")
+    p.add_argument("--agreement", default="float32,bfloat16", type=lambda v: [x for x in v.split(",") if x],
+                   help="server dtypes whose logprobs are checked against the trainer's float32 recompute, before "
+                        "the throughput passes ('' for none)")
     a = p.parse_args()
     from platforms import usable_cores
     scratch = Path(a.scratch)
@@ -197,6 +253,7 @@ def main() -> None:
         a.vllm_bind = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     if not set(a.servers) <= set(SERVERS):
         p.error(f"--servers: expected some of {SERVERS}, got {a.servers}")
+    agreement = logprob_agreement(model, a.agreement, scratch) if a.agreement else {}
     prompts, max_new = make_workload(a.num_requests, vocab, a.seed)
     log(f"{a.num_requests} requests ({sum(map(len, prompts))} prompt tokens, {sum(max_new)} new), "
         f"{a.concurrency} in flight, {threads} cores; model {model}")
@@ -249,6 +306,7 @@ def main() -> None:
     if "riptide_contiguous" in passes:
         paged = "riptide_paged" if "riptide_paged" in passes else "riptide"
         out["paged_over_contiguous"] = round(out[f"{paged}_tok_s"] / out["riptide_contiguous_tok_s"], 3)
+    out.update(agreement)
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
                 "model": a.model, "dtype": a.dtype,
                 "settings": {"riptide": {"dtype": a.dtype, "max_running_requests": a.concurrency, "context_length": 1024,

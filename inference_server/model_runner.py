@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from inference_server.blocks import BlockAllocator
 from inference_server.kv_cache import PagedKVCache, SlotKVCache
-from inference_server.paged_kernel import decode_kernel, paged_decode
+from inference_server.paged_kernel import decode_kernel, fused_ops, paged_decode
 from inference_server.sequence import Sequence
 
 _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -94,6 +94,75 @@ def supports_fast_path(model) -> bool:
             and (cfg.model_type != "mistral" or cfg.sliding_window is None))
 
 
+class _Linear:
+    """One or more of the model's linear layers as one matmul (their weights stacked by output):
+    q, k and v together, gate and up together. In bf16 the weight is packed once for oneDNN's AMX
+    matmul (on SmolLM2's shapes at 64 rows: 0.64 ms against 0.94 for F.linear on the gate-and-up
+    weights, the 49k-row head 9.7 ms against 19.3)."""
+
+    def __init__(self, linears: list[torch.nn.Linear], pack: bool):
+        w = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight
+        biases = [m.bias for m in linears]
+        b = None if all(x is None for x in biases) else torch.cat(
+            [x if x is not None else m.weight.new_zeros(m.out_features) for x, m in zip(biases, linears)])
+        self.packed = False
+        if pack:
+            try:
+                w, self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 64), True
+            except (RuntimeError, AttributeError):      # a torch without oneDNN: F.linear
+                pass
+        self.weight, self.bias = w, b
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class FusedWeights:
+    """The CPU fast path's view of the model's weights (`_Linear` per projection, norms' weights),
+    rebuilt whenever the model's parameters are swapped for a new version (a pointer check a step)."""
+
+    def __init__(self, model, layers, pack: bool):
+        self.model, self.layers, self.pack = model, layers, pack
+        self.params = [p for p in model.parameters()]
+        self._key: tuple = ()
+        self._lock = threading.Lock()
+        self.built: list = []
+
+    def current(self) -> list:
+        key = tuple(p.data_ptr() for p in self.params)
+        if key != self._key:
+            with self._lock:
+                if key != self._key:
+                    self.built = self._build()
+                    self._key = key
+        return self.built
+
+    def _build(self) -> list:
+        out = []
+        for layer in self.layers:
+            a, m = layer.self_attn, layer.mlp
+            out.append((_Linear([a.q_proj, a.k_proj, a.v_proj], self.pack), _Linear([a.o_proj], self.pack),
+                        _Linear([m.gate_proj, m.up_proj], self.pack), _Linear([m.down_proj], self.pack),
+                        layer.input_layernorm.weight, layer.post_attention_layernorm.weight))
+        out.append(_Linear([self.model.lm_head], self.pack))
+        return out
+
+
+def fused_path_fits(model) -> bool:
+    """A decoder the fused CPU path computes exactly as transformers: RMSNorm with a weight, SiLU
+    MLP of gate, up and down projections, q/k/v/o projections, no q/k norms (Qwen3)."""
+    cfg, layer = model.config, model.model.layers[0]
+    a, m = layer.self_attn, getattr(layer, "mlp", None)
+    return (getattr(cfg, "hidden_act", None) == "silu" and not hasattr(a, "q_norm")
+            and all(isinstance(getattr(a, n, None), torch.nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+            and all(hasattr(n, "variance_epsilon") and hasattr(n, "weight")
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm))
+            and isinstance(getattr(model, "lm_head", None), torch.nn.Linear))
+
+
 class DecoderRunner:
     def __init__(self, model, num_slots: int, context_length: int):
         self._init_common(model)
@@ -116,6 +185,10 @@ class DecoderRunner:
         self._plan_key: tuple = ()
         self._cuts: list[tuple[int, int]] = []
         self.share_prompts = True        # newcomers of one step with the same tokens are computed once
+        # on a CPU: the elementwise steps in one pass each (fused_ops.c), the projections stacked
+        self.ops = fused_ops(self.device, self.dtype) if fused_path_fits(model) else None
+        self.fused = FusedWeights(model, self.layers, pack=self.dtype == torch.bfloat16) if self.ops else None
+        self.eps = self.layers[0].input_layernorm.variance_epsilon if self.ops else 0.0
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.decoder.rotary_emb(x, positions[None])
@@ -133,6 +206,8 @@ class DecoderRunner:
         return q, k, v                 # [tokens, heads, head_dim]
 
     def _layers(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        if self.ops is not None:
+            return self._layers_fused(x, positions, attend)
         cos, sin = self._rope(x, positions)
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
@@ -141,7 +216,36 @@ class DecoderRunner:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
+    def _layers_fused(self, x: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """`_layers` on a CPU: each layer's residual add and the next norm in one pass, q, k and v
+        from one matmul and rotated in place, gate and up from one, SiLU-and-multiply in one pass.
+        Leaves x ([tokens, hidden]) as the last layer's output, as `_layers` does."""
+        ops, weights = self.ops, self.fused.current()
+        t, hd = x.shape[0], self.head_dim
+        qn, kn = self.num_heads * hd, self.num_kv_heads * hd
+        cos, sin = self.decoder.rotary_emb(x, positions[None])
+        cos, sin = cos[0].to(x.dtype).contiguous(), sin[0].to(x.dtype).contiguous()
+        x = x.contiguous()
+        h = ops.rms_norm(x, weights[0][4], self.eps)
+        for i in range(len(self.layers)):
+            qkv_proj, o_proj, gate_up, down, _, post_norm = weights[i]
+            qkv = qkv_proj(h)
+            ops.rope(qkv, cos, sin, self.num_heads + self.num_kv_heads, hd)
+            q = qkv[:, :qn].view(t, self.num_heads, hd)
+            k = qkv[:, qn:qn + kn].view(t, self.num_kv_heads, hd)
+            v = qkv[:, qn + kn:].view(t, self.num_kv_heads, hd)
+            h = ops.rms_norm(x, post_norm, self.eps, residual=o_proj(attend(i, q, k, v)))
+            d = down(ops.silu_mul(gate_up(h)))
+            if i + 1 < len(self.layers):
+                h = ops.rms_norm(x, weights[i + 1][4], self.eps, residual=d)
+            else:
+                x += d
+        return x
+
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            weights = self.fused.current()
+            return weights[-1](self.ops.rms_norm(x.contiguous(), self.decoder.norm.weight, self.decoder.norm.variance_epsilon)).float()
         return self.model.lm_head(self.decoder.norm(x)).float()
 
     def forward(self, decode: list[Sequence], prefill: list[Sequence]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The CPU paged-attention kernel (`paged_attention.c`): built once per machine with its C compiler,
+"""The CPU kernels: paged attention (`paged_attention.c`) and the decoder's fused elementwise steps
+(`fused_ops.c`), built once per machine with its C compiler into one library,
 kept in a cache directory, loaded through ctypes. Where there is no compiler, or the build fails, or
 `RIPTIDE_PAGED_KERNEL=0`, `decode_kernel()` is None and the paged runner gathers blocks instead
 (same results, one more copy of the keys and values a step)."""
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("riptide.paged_kernel")
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -41,15 +42,15 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
-    src = SOURCE.read_bytes()
+    src = b"".join(s.read_bytes() for s in SOURCES)
     key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention-{key}.so"
+    out = _cache_dir() / f"riptide_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:        # built aside, then renamed in
         part = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, "-o", str(part), str(SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(part), *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(part, out)
     return out
@@ -69,14 +70,25 @@ def _load():
         log.warning("paged-attention kernel not built (%s%s): the paged KV cache gathers blocks instead",
                     e, (": " + detail.decode(errors="replace")[-500:]) if detail else "")
         return None
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    i64, i32, ptr, f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+    signatures = {"paged_decode": [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32, i32, i32, i32, f32, i32],
+                  "rms_norm": [ptr, ptr, ptr, ptr, i64, i64, f32, i32],
+                  "silu_mul": [ptr, ptr, i64, i64, i32],
+                  "rope": [ptr, ptr, ptr, i64, i64, i64, i64, i32]}
     fns = {}
-    for dtype, name in ((torch.float32, "riptide_paged_decode_f32"), (torch.bfloat16, "riptide_paged_decode_bf16")):
-        fn = getattr(lib, name)
-        fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i32, i32, i32, i32, ctypes.c_float, i32]
-        fn.restype = i32
-        fns[dtype] = fn
+    for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, f"riptide_{name}_{suffix}")
+            fn.argtypes, fn.restype = argtypes, i32
+            fns[name, dtype] = fn
     return fns
+
+
+def _fns():
+    with _lock:
+        if "fns" not in _loaded:
+            _loaded["fns"] = _load()
+        return _loaded["fns"]
 
 
 def decode_kernel(device: torch.device | None = None, dtype: torch.dtype = torch.float32):
@@ -84,10 +96,51 @@ def decode_kernel(device: torch.device | None = None, dtype: torch.dtype = torch
     CPU, or see the module's docstring). Built at most once a process."""
     if (device is not None and torch.device(device).type != "cpu") or dtype not in (torch.float32, torch.bfloat16):
         return None
-    with _lock:
-        if "fns" not in _loaded:
-            _loaded["fns"] = _load()
-        return None if _loaded["fns"] is None else _loaded["fns"][dtype]
+    fns = _fns()
+    return None if fns is None else fns["paged_decode", dtype]
+
+
+class FusedOps:
+    """fused_ops.c for tensors of one dtype (fp32 or bf16, CPU, contiguous rows): RMSNorm with the
+    residual add before it, SiLU-and-multiply, rotary embedding in place. `threads`: rows dealt to
+    that many threads (the caller's torch.get_num_threads())."""
+
+    def __init__(self, fns: dict, dtype: torch.dtype):
+        self._norm, self._silu, self._rope = (fns[n, dtype] for n in ("rms_norm", "silu_mul", "rope"))
+        self.dtype = dtype
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x) * w; with `residual`, x += residual first (x updated in place). x: [rows, dim]."""
+        out = torch.empty_like(x)
+        rc = self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), w.data_ptr(), out.data_ptr(),
+                        x.shape[0], x.shape[1], eps, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"fused rms_norm: dim {x.shape[1]} is more than it takes")
+        return out
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, gu = [gate | up] by row: [rows, 2 * inter] -> [rows, inter]."""
+        inter = gu.shape[1] // 2
+        out = gu.new_empty((gu.shape[0], inter))
+        self._silu(gu.data_ptr(), out.data_ptr(), gu.shape[0], inter, torch.get_num_threads())
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> None:
+        """Rotate the first `heads` heads of each row of x ([rows, width]) in place; cos, sin: [rows, head_dim]."""
+        rc = self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1], heads, head_dim,
+                        torch.get_num_threads())
+        if rc:
+            raise ValueError(f"fused rope: head_dim {head_dim} it does not take")
+
+
+def fused_ops(device: torch.device | None, dtype: torch.dtype) -> FusedOps | None:
+    """FusedOps for a CPU model in fp32 or bf16, or None (another device or dtype, no compiler,
+    RIPTIDE_PAGED_KERNEL=0 or RIPTIDE_FUSED_OPS=0: torch's ops then)."""
+    if (device is not None and torch.device(device).type != "cpu") or dtype not in (torch.float32, torch.bfloat16) \
+            or os.environ.get("RIPTIDE_FUSED_OPS", "1") == "0":
+        return None
+    fns = _fns()
+    return None if fns is None else FusedOps(fns, dtype)
 
 
 def paged_decode(fn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, table: torch.Tensor,

@@ -1,6 +1,7 @@
 """A job's host memory, planned before anything starts (servers on this machine's CPU, `cluster=local`).
 
-What a job holds: each server's weights (twice: the shadow copy a push stages into) and KV cache; the
+What a job holds: each server's weights (three times: the shadow copy a push stages into, and the
+CPU fast path's stacked projections) and KV cache; the
 trainer's weights, gradients and AdamW moments, and the activations of one micro-batch (its token
 budget); the processes' own runtime. A job whose settings cannot fit in the host's available memory
 stops before anything starts, naming the knob and the numbers. A server given no KV budget
@@ -124,7 +125,9 @@ def plan_of(job, available: int | None = None) -> MemoryPlan | None:
     if shape is None:
         return None
     available = host_available() if available is None else available
-    server_fixed = PROCESS_BYTES + SERVER_EXTRA + 2 * shape.params * 4
+    # weights, the shadow copy a push stages into, and the CPU fast path's stacked projections
+    # (model_runner.FusedWeights: q/k/v and gate/up in fp32, every layer packed in bf16), counted in fp32
+    server_fixed = PROCESS_BYTES + SERVER_EXTRA + 3 * shape.params * 4
     trainer = trainer_bytes(shape, job)
     rollout = PROCESS_BYTES if job.cluster.rollout_process else 0
     if s.kv_cache_gb:
