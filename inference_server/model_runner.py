@@ -187,7 +187,7 @@ class DecoderRunner:
         self.share_prompts = True        # newcomers of one step with the same tokens are computed once
         # on a CPU: the elementwise steps in one pass each (fused_ops.c), the projections stacked
         self.ops = fused_ops(self.device, self.dtype) if fused_path_fits(model) else None
-        self.fused = FusedWeights(model, self.layers, pack=self.dtype == torch.bfloat16) if self.ops else None
+        self.fused = FusedWeights(model, self.layers, pack=True) if self.ops else None
         self.eps = self.layers[0].input_layernorm.variance_epsilon if self.ops else 0.0
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
