@@ -125,6 +125,94 @@ static inline void store16_bf16(uint16_t *p, __m512 v) {    /* round to nearest 
 #define HAVE16 0
 #endif
 
+/* ---- sampling: the next token and its logprob from fp32 logits, a row at a time -------------------
+ * Row r: s = logits / temps[r] (as is where temps[r] is 0 or 1); its max, then the sum of e^(s - max)
+ * (log_softmax's total), then, for a sampled row, the first token whose running sum of e^(s - max)
+ * passes u[r] * total (inverse CDF, as cumsum + searchsorted(right=True)), recomputing the
+ * exponentials only up to that token; a greedy row (temps[r] 0, or u NULL) takes the first argmax.
+ * logprob = s[token] - max - log(total). No [rows, vocab] temporaries. */
+typedef struct {
+    const float *logits, *temps, *u;
+    int64_t vocab;
+    int64_t *tokens;
+    float *logprobs, *shift, *log_total;
+} sample_args;
+
+static inline float scaled_at(const float *x, int64_t i, float t) { return t > 0.f && t != 1.f ? x[i] / t : x[i]; }
+
+static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
+    const sample_args *a = (const sample_args *)a_;
+    const int64_t V = a->vocab;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = a->logits + r * V, t = a->temps[r];
+        const int divide = t > 0.f && t != 1.f;
+        int64_t i = 0;
+        float mx = -INFINITY, total = 0.f;
+#if HAVE16
+        const __m512 tv = _mm512_set1_ps(divide ? t : 1.f);
+        __m512 m16 = _mm512_set1_ps(-INFINITY);
+        for (; i + 16 <= V; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            m16 = _mm512_max_ps(m16, divide ? _mm512_div_ps(v, tv) : v);
+        }
+        mx = _mm512_reduce_max_ps(m16);
+#endif
+        for (int64_t k = i; k < V; k++) mx = fmaxf(mx, scaled_at(x, k, t));
+        i = 0;
+#if HAVE16
+        const __m512 mv = _mm512_set1_ps(mx);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (; i + 16 <= V; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            sum16 = _mm512_add_ps(sum16, exp_le0_16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv)));
+        }
+        total = _mm512_reduce_add_ps(sum16);
+#endif
+        for (int64_t k = i; k < V; k++) total += exp_le0(scaled_at(x, k, t) - mx);
+        int64_t token = -1;
+        if (a->u == NULL || t == 0.f) {
+            for (int64_t k = 0; k < V && token < 0; k++)
+                if (scaled_at(x, k, t) == mx) token = k;
+        } else {
+            const float target = a->u[r] * total;
+            float acc = 0.f;
+            int64_t last = 0;                    /* the last token seen with a weight above 0 */
+            for (int64_t k = 0; k < V && token < 0; k++) {
+#if HAVE16
+                if (k % 16 == 0 && k + 16 <= V) {    /* a whole 16 that the running sum does not pass: skip it */
+                    const __m512 v = _mm512_loadu_ps(x + k);
+                    const __m512 e = exp_le0_16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv));
+                    const float h = _mm512_reduce_add_ps(e);
+                    if (acc + h <= target) {
+                        acc += h;
+                        if (h > 0.f) last = k + 15;
+                        k += 15;
+                        continue;
+                    }
+                }
+#endif
+                const float e = exp_le0(scaled_at(x, k, t) - mx);
+                acc += e;
+                if (e > 0.f) last = k;
+                if (acc > target) token = k;
+            }
+            if (token < 0) token = last;         /* the running sum fell short of u * total by rounding */
+            while (token > 0 && exp_le0(scaled_at(x, token, t) - mx) == 0.f) token--;
+        }
+        a->tokens[r] = token;
+        a->shift[r] = mx;
+        a->log_total[r] = logf(total);
+        a->logprobs[r] = scaled_at(x, token, t) - mx - a->log_total[r];
+    }
+}
+
+int riptide_sample(const float *logits, int64_t rows, int64_t vocab, const float *temps, const float *u,
+                   int64_t *tokens, float *logprobs, float *shift, float *log_total, int threads) {
+    const sample_args a = {logits, temps, u, vocab, tokens, logprobs, shift, log_total};
+    parallel_rows(sample_rows, &a, rows, threads);
+    return 0;
+}
+
 typedef struct {
     void *x;
     const void *d, *w;

@@ -76,6 +76,9 @@ def _load():
                   "silu_mul": [ptr, ptr, i64, i64, i32],
                   "rope": [ptr, ptr, ptr, i64, i64, i64, i64, i32]}
     fns = {}
+    sample = lib.riptide_sample
+    sample.argtypes, sample.restype = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], i32
+    fns["sample"] = sample
     for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
         for name, argtypes in signatures.items():
             fn = getattr(lib, f"riptide_{name}_{suffix}")
@@ -141,6 +144,39 @@ def fused_ops(device: torch.device | None, dtype: torch.dtype) -> FusedOps | Non
         return None
     fns = _fns()
     return None if fns is None else FusedOps(fns, dtype)
+
+
+class FusedSampler:
+    """fused_ops.c's sampler: tokens and logprobs from fp32 logits without the [rows, vocab]
+    temporaries of log_softmax, cumsum and searchsorted (a max pass, an exp-sum pass, and a walk to
+    the sampled token). Same rule as `Sampler.sample`'s torch path: inverse CDF on u * total, greedy
+    rows the first argmax, the logprob of the temperature-scaled distribution."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, logits: torch.Tensor, temps: list[float], u: torch.Tensor | None):
+        """(tokens [rows] int64, logprobs [rows], shift [rows] (each row's max), log_total [rows])."""
+        rows, vocab = logits.shape
+        logits = logits.contiguous()
+        t = torch.tensor(temps, dtype=torch.float32)
+        if u is not None:
+            u = u.to(torch.float32).contiguous()
+        tokens = torch.empty(rows, dtype=torch.int64)
+        logprobs, shift, log_total = (torch.empty(rows) for _ in range(3))
+        self._fn(logits.data_ptr(), rows, vocab, t.data_ptr(), None if u is None else u.data_ptr(),
+                 tokens.data_ptr(), logprobs.data_ptr(), shift.data_ptr(), log_total.data_ptr(),
+                 torch.get_num_threads())
+        return tokens, logprobs, shift, log_total
+
+
+def fused_sampler(device: torch.device | None) -> FusedSampler | None:
+    """The C sampler for logits on a CPU, or None (another device, no compiler, RIPTIDE_PAGED_KERNEL=0
+    or RIPTIDE_FUSED_OPS=0: torch's ops then)."""
+    if (device is not None and torch.device(device).type != "cpu") or os.environ.get("RIPTIDE_FUSED_OPS", "1") == "0":
+        return None
+    fns = _fns()
+    return None if fns is None else FusedSampler(fns["sample"])
 
 
 def paged_decode(fn, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, table: torch.Tensor,
