@@ -17,7 +17,7 @@ async: mode=async: oversampling + partial rollout (update_policy abort_furthest,
        so the server generates the next batch while the trainer trains and pushes (and each push
        streams while the trainer's next forward and backward passes run: weight_sync.overlap);
        the trainer's samples are one version behind, and the loss corrects them by trainer.off_policy
-       (behaviour_clip by default; README, "Off-policy correction").
+       (behaviour_clip by default; docs/configuration.md, "Off-policy correction").
 
 Workloads (the copy task: partial credit, so a response longer than the answer scores at most
 answer/length, and stopping right is most of the reward):

@@ -13,7 +13,7 @@ validation (greedy, before the first step and after the last). Ends with one JSO
     python bench/real_model.py                       # two seeds at the recipe's settings
     python bench/real_model.py --seeds 0 --steps 5   # a short look
     python bench/real_model.py --experiment '' --seeds 0 --steps 5 --override model=smollm2 task=gsm8k task.path=F
-                                                     # the README's gsm8k recipe at its defaults: its memory
+                                                     # the gsm8k recipe (docs/configuration.md) at its defaults: its memory
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ through the `riptide` checkpoint engine in the order verl's CheckpointEngineMana
     make setup-verl
     .venv-verl/bin/python examples/verl_engine.py
 
-A verl job on GPUs takes the same parts by config (see the README, "Use Riptide from verl").
+A verl job on GPUs takes the same parts by config (docs/integrations.md, "Use Riptide from verl").
 """
 import asyncio
 import os

@@ -48,7 +48,7 @@ class RolloutConfig:
     oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
     max_staleness: int = 1              # how many versions behind the trainer a group may run (keep: at
                                         # admission; drop / regenerate / wait: every token, at consumption)
-    stale_policy: StalePolicy = StalePolicy.keep    # measured: docs/long_tail.md, README
+    stale_policy: StalePolicy = StalePolicy.keep    # measured: docs/long_tail.md, docs/configuration.md
     max_token_age: int = -1             # stale_policy keep: mask tokens more than this many versions old (-1: none)
     on_policy_warmup: int = 0           # versions before this one generate on-policy (bound 0, as sync mode):
                                         # the first updates, the largest, train on fresh samples

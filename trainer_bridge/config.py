@@ -297,7 +297,7 @@ class ClusterConfig:
 
 class OffPolicy(str, enum.Enum):
     """How the GRPO loss treats tokens sampled by older weights than the trainer's
-    (trainer_bridge/training/grpo.py, module docstring; README, "Off-policy correction")."""
+    (trainer_bridge/training/grpo.py, module docstring; docs/configuration.md, "Off-policy correction")."""
     behaviour_clip = "behaviour_clip"   # the default: PPO's clip centred on the behaviour policy
     decoupled = "decoupled"             # AReaL's decoupled PPO: clip on the proximal, truncated IS weight
     icepop = "icepop"                   # decoupled, tokens whose IS weight is out of band masked
@@ -350,7 +350,7 @@ class TrainerConfig:
     tis_cap: float = f(2.0, "truncated importance sampling cap between trainer and server logprobs (0: off, "
                             "the behaviour logprobs unused); behaviour_clip: the dual clip for A < 0")
     off_policy: str = f("behaviour_clip", "behaviour_clip | decoupled | icepop: how the loss corrects tokens sampled "
-                                          "by older weights (README, 'Off-policy correction')")
+                                          "by older weights (docs/configuration.md, 'Off-policy correction')")
     is_band_low: float = f(0.5, "icepop: tokens whose proximal/behaviour ratio is below this (or above tis_cap) "
                                 "leave the loss")
     kl_coef: float = f(0.0, "k3 KL penalty to the initial model (0: off, no reference model kept)")

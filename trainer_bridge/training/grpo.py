@@ -28,7 +28,7 @@ between behaviour and current one of three ways (`OffPolicy`, `trainer.off_polic
   policy, so nothing is ever clipped and stale tokens are pushed as hard as fresh ones.
 - `icepop`: `decoupled`, with tokens whose weight exp(proximal - behaviour) falls outside
   [is_band_low, tis_cap] masked from the loss (IcePop) instead of truncated.
-Why `behaviour_clip` is the default: bench/e2e.py (README, "Off-policy correction").
+Why `behaviour_clip` is the default: bench/e2e.py (docs/configuration.md, "Off-policy correction").
 """
 
 from collections.abc import Callable
