@@ -176,7 +176,6 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
         } else {
             const float target = a->u[r] * total;
             float acc = 0.f;
-            int64_t last = 0;                    /* the last token seen with a weight above 0 */
             for (int64_t k = 0; k < V && token < 0; k++) {
 #if HAVE16
                 if (k % 16 == 0 && k + 16 <= V) {    /* a whole 16 that the running sum does not pass: skip it */
@@ -185,7 +184,6 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
                     const float h = _mm512_reduce_add_ps(e);
                     if (acc + h <= target) {
                         acc += h;
-                        if (h > 0.f) last = k + 15;
                         k += 15;
                         continue;
                     }
@@ -193,11 +191,10 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
 #endif
                 const float e = exp_le0(scaled_at(x, k, t) - mx);
                 acc += e;
-                if (e > 0.f) last = k;
                 if (acc > target) token = k;
             }
-            if (token < 0) token = last;         /* the running sum fell short of u * total by rounding */
-            while (token > 0 && exp_le0(scaled_at(x, token, t) - mx) == 0.f) token--;
+            if (token < 0) token = V - 1;        /* the running sum fell short of u * total by rounding
+                                                    (torch's path clamps the same way); exp_le0 is never 0 */
         }
         a->tokens[r] = token;
         a->shift[r] = mx;

@@ -58,27 +58,30 @@ class Sampler:
             if any(greedy):
                 tokens = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(dim=-1), tokens)
         chosen = z.gather(1, tokens[:, None])[:, 0] - log_total
-        want = [i for i, p in enumerate(params) if p.top_logprobs > 0]
-        if want:          # OpenAI's top_logprobs: the most likely tokens of the same distribution
-            k = min(max(params[i].top_logprobs for i in want), logits.shape[-1])
-            values, ids = z[want].topk(k, dim=-1)
-            values = values - log_total[want][:, None]
-            for row, i in enumerate(want):
-                n = params[i].top_logprobs
-                seqs[i].next_top = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+        self._top_logprobs(seqs, lambda want: z[want], log_total)
         return tokens.tolist(), chosen.tolist()
+
+    @staticmethod
+    def _top_logprobs(seqs: list[Sequence], shifted, log_total: torch.Tensor) -> None:
+        """OpenAI's top_logprobs: the most likely tokens of the same distribution, for the rows that ask
+        (`seq.next_top`); shifted(rows): those rows' scaled logits less their max."""
+        want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
+        if not want:
+            return
+        z = shifted(want)
+        values, ids = z.topk(min(max(seqs[i].params.top_logprobs for i in want), z.shape[-1]), dim=-1)
+        values = values - log_total[want][:, None]
+        for row, i in enumerate(want):
+            n = seqs[i].params.top_logprobs
+            seqs[i].next_top = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
 
     def _sample_fused(self, logits, seqs, temps, u) -> tuple[list[int], list[float]]:
         tokens, logprobs, shift, log_total = self.fused(logits, temps, u)
-        want = [i for i, s in enumerate(seqs) if s.params.top_logprobs > 0]
-        if want:
-            scaled = logits[want] / torch.tensor([t if t > 0 else 1.0 for t in (temps[i] for i in want)])[:, None]
-            k = min(max(seqs[i].params.top_logprobs for i in want), logits.shape[-1])
-            values, ids = scaled.topk(k, dim=-1)
-            values = (values - shift[want][:, None]) - log_total[want][:, None]
-            for row, i in enumerate(want):
-                n = seqs[i].params.top_logprobs
-                seqs[i].next_top = list(zip(ids[row, :n].tolist(), values[row, :n].tolist()))
+
+        def shifted(want):
+            t = torch.tensor([temps[i] if temps[i] > 0 else 1.0 for i in want])[:, None]
+            return logits[want] / t - shift[want][:, None]
+        self._top_logprobs(seqs, shifted, log_total)
         return tokens.tolist(), logprobs.tolist()
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
