@@ -4,10 +4,18 @@ pass that also samples its rows. On a CPU whose second core is shared with the H
 the helper's part picks up whatever that core has free, with none of an OpenMP team's barrier
 stalls when it has none. The step's uniforms are drawn once, in row order, so the tokens do not
 depend on the cut; the cut follows the two parts' measured times.
+
+When the other core is free, one step on a team of threads over every core is faster still (the
+weights are read once, not once a part: SmolLM2-135M in fp32, 40-48 decode rows, 130 ms a step
+against 155 split; 1-7 rows, 45 ms against 71 on one thread); when a neighbour (a trainer, a
+rollout client) keeps that core busy, the team stalls at every barrier (84 ms against 23). So each
+step size is run the way that measured faster there (`TwoWays`), and the other way is tried again
+now and then, since neighbours come and go.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import statistics
 import time
 
 import torch
@@ -21,14 +29,76 @@ from inference_server.sequence import Sequence
 ROW_WORK, PREFILL_WORK = 64, 200
 
 
+class TwoWays:
+    """Which of two ways to run a step ("team": one step on an OpenMP team over every core; "own":
+    the engine thread alone, or two single-threaded parts), per step size (a power of two of its
+    work). The way not taken is tried for a few steps in a row, right after a few taken the best
+    way, and the median seconds per unit of work compared: consecutive steps hold nearly the same
+    rows, where steps far apart (another mix of prefill and decode, other lengths) do not compare,
+    and the first step after a change pays for it (a team's sleeping thread, a helper that finds
+    the team's thread still spinning), so it is left out. A try comes after `first_retry` steps of
+    that size, then after twice as many each time the other way loses again (up to `max_retry`),
+    back to `first_retry` when it wins: when the team stalls 3.6x behind a busy neighbour, its
+    tries cost about 2% of the steps."""
+
+    WAYS = ("team", "own")
+    BASE, TRY = 3, 4                                    # steps compared before a try, steps a try takes
+
+    def __init__(self, first_retry: int = 8, max_retry: int = 512):
+        self.first_retry, self.max_retry = first_retry, max_retry
+        self.best: dict[int, str] = {}
+        self.since: dict[int, int] = {}                 # steps of that size since the last try
+        self.retry: dict[int, int] = {}
+        self.recent: list[tuple[int, float]] = []       # (size, seconds a unit) of the last steps taken the best way
+        self.trying: dict | None = None                 # size, steps left, base, units
+        self.taken = {way: 0 for way in self.WAYS}
+
+    def _other(self, size: int) -> str:
+        return self.WAYS[1 - self.WAYS.index(self.best[size])]
+
+    def pick(self, work: int) -> str:
+        size = max(1, work).bit_length()
+        best = self.best.setdefault(size, self.WAYS[0])
+        if self.trying is not None:
+            if self.trying["size"] == size:
+                return self._other(size)
+            self.trying = None                          # the steps changed size under the try: no verdict
+        base = [u for s, u in self.recent if s == size]
+        if len(base) == self.BASE and self.since.get(size, 0) >= self.retry.setdefault(size, self.BASE):
+            self.trying = {"size": size, "left": self.TRY, "base": statistics.median(base), "units": []}
+            return self._other(size)
+        return best
+
+    def record(self, work: int, way: str, seconds: float) -> None:
+        size, unit = max(1, work).bit_length(), seconds / max(1, work)
+        self.taken[way] += 1
+        t = self.trying
+        if t is not None and t["size"] == size and way != self.best[size]:
+            t["left"] -= 1
+            if t["left"] < self.TRY - 1:
+                t["units"].append(unit)
+            if t["left"] == 0:
+                self.trying, self.recent, self.since[size] = None, [], 0
+                if statistics.median(t["units"]) < t["base"]:
+                    self.best[size], self.retry[size] = way, self.first_retry
+                else:
+                    self.retry[size] = min(self.max_retry, max(self.first_retry, 2 * self.retry[size]))
+            return
+        self.recent = (self.recent + [(size, unit)])[-self.BASE:]
+        self.since[size] = self.since.get(size, 0) + 1
+
+
 class SplitStepRunner:
     """A DecoderRunner whose big steps run as two parts: decode rows cut at one slot, and the
     newcomers' prefills dealt between the parts, so that a step heavy with prefill keeps both cores
     busy too (one thread taking every prefill left the other idle for most of such a step)."""
 
-    def __init__(self, runner: DecoderRunner, threads: int = 1, min_rows: int = 16, min_work: int = 16 * 512):
+    def __init__(self, runner: DecoderRunner, threads: int = 1, min_rows: int = 16, min_work: int = 16 * 512,
+                 team: int = 1):
         self.runner, self.min_rows, self.min_work = runner, min_rows, min_work
+        self.threads, self.team = threads, team
         self.share = 0.5                        # of a split step's work that the helper takes
+        self.ways = TwoWays()
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="riptide-step-half", initializer=torch.set_num_threads, initargs=(threads,))
 
@@ -42,8 +112,24 @@ class SplitStepRunner:
             groups.setdefault((s.cached, *s.all_ids), []).append(i)
         group_work = [(PREFILL_WORK * (prefill[idx[0]].num_tokens - prefill[idx[0]].cached), idx) for idx in groups.values()]
         total = sum(row_work) + sum(w for w, _ in group_work)
-        if total < self.min_work or (b < self.min_rows and len(group_work) < 2):
-            return self.runner.step(decode, prefill, sampler)
+        way = self.ways.pick(total) if self.team > self.threads else "own"
+        t = time.perf_counter()
+        if way == "team":
+            torch.set_num_threads(self.team)        # this thread's OpenMP team, and the C kernels' threads
+            try:
+                out = self.runner.step(decode, prefill, sampler)
+            finally:
+                torch.set_num_threads(self.threads)
+        elif total < self.min_work or (b < self.min_rows and len(group_work) < 2):
+            out = self.runner.step(decode, prefill, sampler)
+        else:
+            out = self._split(decode, prefill, sampler, pos, chunks, row_work, group_work, total)
+        if self.team > self.threads:
+            self.ways.record(total, way, time.perf_counter() - t)
+        return out
+
+    def _split(self, decode, prefill, sampler, pos, chunks, row_work, group_work, total):
+        b = len(decode)
         mid, mine = self._cut(row_work, group_work, total)
         theirs = sorted(i for _, idx in group_work for i in idx if i not in mine)
         mine = sorted(mine)

@@ -38,13 +38,14 @@ def make_runner(model, num_slots: int, context_length: int, split_threads: int |
                 blocks: tuple[int, int] | None = None) -> Runner:
     """The fast path where the model's family has one, else the generic one; `blocks` (number, size):
     the fast path over a paged KV cache instead of contiguous slots; `split_threads` (CPU, one thread
-    a step) runs big fast-path steps as two parts (cpu_split)."""
+    a step) runs big fast-path steps as two parts, or as one on a team over every core where that
+    measured faster (cpu_split)."""
     if not supports_fast_path(model):
         return GenericRunner(model, num_slots, context_length)
     runner = PagedDecoderRunner(model, *blocks) if blocks else DecoderRunner(model, num_slots, context_length)
     if split_threads is None:
         return runner
-    return SplitStepRunner(runner, threads=split_threads)
+    return SplitStepRunner(runner, threads=split_threads, team=usable_cores())
 
 
 class PauseMode(str, enum.Enum):

@@ -173,7 +173,54 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
         _mm512_storeu_ps(acc + i + 48, a3);
     }
 }
+
+/* The same for the G <= 4 query heads of a KV head at once (D = 64): each value row is loaded (and
+ * widened) once for all of them, and the G * 4 accumulators are independent chains (one head's 4
+ * wait on each other's FMA latency). p: head g's weights at p + g * p_stride. */
+static inline __attribute__((always_inline)) void NAME(pvg64_)(float *acc, const float *p, int p_stride, const KV_T *v,
+                                                               int n, const float *corr, const int G) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * 64 + 16 * i), _mm512_set1_ps(corr[g]));
+    for (int t = 0; t < n; t++) {
+        const KV_T *vt = v + t * 64;
+        const __m512 v0 = LOAD16(vt), v1 = LOAD16(vt + 16), v2 = LOAD16(vt + 32), v3 = LOAD16(vt + 48);
+        for (int g = 0; g < G; g++) {
+            const __m512 pt = _mm512_set1_ps(p[g * p_stride + t]);
+            a[g][0] = _mm512_fmadd_ps(pt, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(pt, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(pt, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(pt, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int i = 0; i < 4; i++) _mm512_storeu_ps(acc + g * 64 + 16 * i, a[g][i]);
+}
+
+/* 1 if it did them: G in 1..4 and D = 64 */
+static inline int NAME(pvg64)(float *acc, const float *p, int p_stride, const KV_T *v, int n, int D, const float *corr, int G) {
+    if (D != 64) return 0;
+    switch (G) {
+    case 1: NAME(pvg64_)(acc, p, p_stride, v, n, corr, 1); return 1;
+    case 2: NAME(pvg64_)(acc, p, p_stride, v, n, corr, 2); return 1;
+    case 3: NAME(pvg64_)(acc, p, p_stride, v, n, corr, 3); return 1;
+    case 4: NAME(pvg64_)(acc, p, p_stride, v, n, corr, 4); return 1;
+    default: return 0;
+    }
+}
+
+/* 16 keys widened to fp32 once (bf16), so the G query heads' dot products read them as fp32 */
+static inline const float *NAME(keys16)(const KV_T *k, int D, float *buf) {
+    if (sizeof(KV_T) == sizeof(float)) return (const float *)k;
+    for (int i = 0; i < 16 * D; i += 16) _mm512_storeu_ps(buf + i, LOAD16(k + i));
+    return buf;
+}
 #else
+static inline int NAME(pvg64)(float *acc, const float *p, int p_stride, const KV_T *v, int n, int D, const float *corr, int G) {
+    (void)acc, (void)p, (void)p_stride, (void)v, (void)n, (void)D, (void)corr, (void)G;
+    return 0;
+}
+static inline const float *NAME(keys16)(const KV_T *k, int D, float *buf) { (void)D, (void)buf; return (const float *)k; }
 static inline void NAME(dots16)(const float *q, const KV_T *k, int D, float scale, float *s) {
     (void)q, (void)k, (void)D, (void)scale, (void)s;
 }
@@ -190,7 +237,7 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
         const int G = j->group, D = (DIM) ? (DIM) : j->head_dim, BS = j->block_size;                \
         const float *qh = j->q + r * j->q_row + (int64_t)h * G * D;                                 \
         const int64_t len = j->lens[r];                                                             \
-        float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_HEAD_DIM];                             \
+        float m[MAX_GROUP], l[MAX_GROUP], acc[MAX_GROUP * MAX_HEAD_DIM], kbuf[16 * MAX_HEAD_DIM];    \
         for (int g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.f; }                                \
         memset(acc, 0, sizeof(float) * G * D);                                                     \
         for (int64_t b = 0; b * BS < len; b++) {                                                    \
@@ -207,8 +254,14 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
                         __builtin_prefetch(kn + t0 * D * sizeof(KV_T) + c);                                    \
                         __builtin_prefetch(vn + t0 * D * sizeof(KV_T) + c);                                    \
                     }                                                                               \
-                    for (int g = 0; g < G; g++)                                                     \
-                        NAME(dots16)(qh + g * D, kb + t0 * D, D, j->scale, s + g * BS + t0);              \
+                    if (sizeof(KV_T) == sizeof(float) || G == 1)                                    \
+                        for (int g = 0; g < G; g++)                                                 \
+                            NAME(dots16)(qh + g * D, kb + t0 * D, D, j->scale, s + g * BS + t0);          \
+                    else {                                                                          \
+                        const float *k32 = NAME(keys16)(kb + t0 * D, D, kbuf);                      \
+                        for (int g = 0; g < G; g++)                                                 \
+                            dots16_f32(qh + g * D, k32, D, j->scale, s + g * BS + t0);              \
+                    }                                                                               \
                 }                                                                                   \
             for (int t = t0; t < n; t++)                                                            \
                 for (int g = 0; g < G; g++) {                                                       \
@@ -219,6 +272,17 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
                     for (int i = 0; i < D; i++) d += qg[i] * SCALAR(kt[i]);                                 \
                     s[g * BS + t] = d * j->scale;                                                   \
                 }                                                                                   \
+            if (VEC16(D, n) && D == 64 && G <= 4) {                                                 \
+                float corr[4];                                                                      \
+                for (int g = 0; g < G; g++) {                                                       \
+                    float *sg = s + g * BS;                                                         \
+                    const float mx = max16(sg, n, m[g]), sum = exp_sum16(sg, n, mx);                \
+                    corr[g] = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mx);                         \
+                    l[g] = l[g] * corr[g] + sum;                                                    \
+                    m[g] = mx;                                                                      \
+                }                                                                                   \
+                if (NAME(pvg64)(acc, s, BS, vb, n, D, corr, G)) continue;                           \
+            }                                                                                       \
             for (int g = 0; g < G; g++) {                                                           \
                 float *sg = s + g * BS, mx = m[g], sum = 0.f;                                       \
                 if (VEC16(D, n)) {                                                                  \

@@ -117,11 +117,12 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
     ids = [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lengths + [37, 90, 12]]
     ids.append(ids[-2])                               # a newcomer with another's prompt (a GRPO group)
 
-    def run(split: bool, share: float = 0.5):
+    def run(split: bool, share: float = 0.5, way: str = "own"):
         runner = DecoderRunner(model, num_slots=32, context_length=256)
         if split:
-            runner = SplitStepRunner(runner, threads=1)
+            runner = SplitStepRunner(runner, threads=1, team=2)
             runner.share = share
+            runner.ways.pick = lambda work: way
         seqs = []
         for slot, x in enumerate(ids):
             s = Sequence(str(slot), x, SamplingParams(temperature=0.8 if slot % 3 else 0.0))
@@ -135,10 +136,32 @@ def test_a_split_step_samples_what_one_pass_does(tiny_model):
                 s.prompt_ids = s.prompt_ids + [last]
             return runner.step(decode, newcomer, Sampler(seed=7, device=torch.device("cpu")))
     whole = run(split=False)
-    for share in (0.2, 0.5, 0.9):
-        tokens, logprobs = run(split=True, share=share)
+    for share, way in ((0.2, "own"), (0.5, "own"), (0.9, "own"), (0.5, "team")):
+        tokens, logprobs = run(split=True, share=share, way=way)
         assert tokens == whole[0]
         assert torch.allclose(torch.tensor(logprobs), torch.tensor(whole[1]), atol=1e-4)
+
+
+def test_a_cpu_step_goes_the_way_that_measured_faster_and_tries_the_other_again():
+    """TwoWays (cpu_split): a step size runs the way whose last steps took less time a unit of
+    work; the other way is tried after a few steps, less often while it keeps losing, and taken
+    over when it wins (a neighbour came or went)."""
+    from inference_server.cpu_split import TwoWays
+    ways, cost = TwoWays(first_retry=4, max_retry=64), {"team": 1.0, "own": 2.0}
+
+    def run(steps: int) -> list[str]:
+        taken = []
+        for _ in range(steps):
+            way = ways.pick(1000)
+            ways.record(1000, way, cost[way])
+            taken.append(way)
+        return taken
+    first = run(200)
+    assert first[:3] == ["team"] * 3 and first[3:7] == ["own"] * 4       # a try after the first steps
+    assert first[-100:].count("own") <= 2 * TwoWays.TRY                   # the loser is tried less and less
+    cost.update(team=3.0)                                                 # a busy neighbour: the team stalls
+    later = run(400)
+    assert later[-100:].count("own") > 90                                 # taken over at the next try
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope"])
