@@ -42,7 +42,7 @@ class StalePolicy(str, enum.Enum):
 
 @dataclass
 class RolloutConfig:
-    group_size: int = 4                 # samples per prompt (GRPO's n)
+    group_size: int = 8                 # samples per prompt (GRPO's n)
     batch_size: int = 8                 # groups per training batch
     max_inflight: int = 64              # requests running on the servers at once
     oversample: float = 1.5             # groups kept going per group a batch needs (>= 1)
@@ -64,7 +64,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     group_filter: str = "all_equal"     # all_equal (DAPO dynamic sampling) | none | module:function
-    filter_patience: int = 0            # after this many filter drops for one batch, keep what it rejects (0: never)
+    filter_patience: int = 32           # after this many filter drops for one batch, keep what it rejects (0: never)
     rollout_fn: str = "single_turn"     # single_turn | module:function (async (sample, ctx) -> sample), e.g. multi-turn
     use_chat_template: str = "auto"     # auto (when the tokenizer has a chat template) | true | false
     request_timeout_s: float = 600.0

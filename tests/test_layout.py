@@ -93,3 +93,87 @@ def test_no_library_function_over_60_lines():
                 if n > MAX_LINES:
                     long.append(f"{m}.{node.name}: {n} lines")
     assert long == []
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in (tree or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k not in ("rg_config",):
+            out.update(_leaves(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def test_config_files_set_only_what_differs_from_the_dataclasses():
+    """One source of defaults: the dataclasses (what the attach API gets). A file under configs/ sets
+    a field only to another value than its default, so riptide-train at its defaults and a
+    BackendConfig built in Python run the same job, and a default is changed in one place."""
+    import dataclasses
+    import enum
+
+    import yaml
+
+    from trainer_bridge.config import JobConfig
+    job = JobConfig()
+
+    def default(path: str):
+        obj = job
+        for part in path.split("."):
+            if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+                return KeyError
+            obj = getattr(obj, part)
+        return obj.value if isinstance(obj, enum.Enum) else obj
+    restated = []
+    for f in sorted((ROOT / "configs").rglob("*.yaml")):
+        text = f.read_text()
+        tree = yaml.safe_load(text) or {}
+        tree.pop("defaults", None)
+        tree.pop("hydra", None)
+        group = f.parent.name
+        prefix = "" if "@package _global_" in text or group == "configs" else f"{group if group != 'logger' else 'logger'}."
+        for key, value in _leaves(tree, prefix).items():
+            d = default(key)
+            if d is not KeyError and d == value and key != "task.name":     # a task's file names its task
+                restated.append(f"{f.relative_to(ROOT)}: {key}: {value!r} is the default")
+    assert not restated, "\n".join(restated)
+
+
+def test_riptide_train_at_its_defaults_is_the_attach_apis_job():
+    """riptide-train with no overrides composes JobConfig's defaults, except what the default task
+    (copy) and model (tiny) set for themselves."""
+    import dataclasses
+
+    from trainer_bridge.config import JobConfig
+    from trainer_bridge.train import compose_job
+    composed = compose_job([])
+    default = dataclasses.replace(JobConfig(), model=composed.model, task=composed.task, run_dir=composed.run_dir)
+    default.validate()                      # resolves what is auto (the learning rate) as the job does
+    for section in ("weight_sync", "cluster", "trainer", "logger"):
+        assert getattr(composed, section) == getattr(default, section), section
+    task_sets = {"use_chat_template", "max_new_tokens"}
+    for name in {f for f in vars(default.rollout)} - task_sets:
+        assert getattr(composed.rollout, name) == getattr(default.rollout, name), f"rollout.{name}"
+    derived = {"context_length", "kv_cache_gb"}      # the task's context, and the KV budget sized from it
+    assert {k: v for k, v in vars(composed.server).items() if k not in derived} == \
+        {k: v for k, v in vars(default.server).items() if k not in derived}
+    assert (composed.mode, composed.seed) == (default.mode, default.seed)
+
+
+def test_a_jobs_rollout_side_is_its_own_sections():
+    """JobConfig.backend(): each BackendConfig field from the job's (or its trainer's) field of that
+    name, so a field added to one is not silently left at its default in the other."""
+    import dataclasses
+
+    from trainer_bridge.config import BackendConfig, JobConfig
+    job = JobConfig()
+    job.rollout.group_size, job.trainer.overlong_buffer, job.seed = 3, 7, 11
+    job.model.path = "/some/model"
+    b = job.backend("logs")
+    assert (b.rollout, b.server, b.weight_sync, b.cluster, b.task) == \
+        (job.rollout, job.server, job.weight_sync, job.cluster, job.task)
+    assert (b.overlong_buffer, b.seed, b.model_path, b.log_dir) == (7, 11, "/some/model", "logs")
+    unmatched = [f.name for f in dataclasses.fields(BackendConfig)
+                 if not hasattr(job, f.name) and not hasattr(job.trainer, f.name)]
+    assert sorted(unmatched) == ["log_dir", "model_path"]

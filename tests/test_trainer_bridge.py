@@ -504,3 +504,28 @@ def test_attach_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [line.split(":")[0] for line in proc.stdout.strip().splitlines()] == ["step 0", "step 1", "step 2"]
     assert servers_of(tmp_path / ".cache") == []
+
+
+def test_the_cut_off_warning_waits_while_the_reward_rises():
+    """Every response at max_new_tokens for 10 steps warns 'answers are cut off' only when the reward
+    is not rising over those steps: the tiny demo's model, still learning to stop within its budget,
+    is not warned about (its first steps all hit the budget while its reward climbs)."""
+    import types
+
+    import torch
+
+    from trainer_bridge.job.run import Watch
+    said = []
+    monitor = types.SimpleNamespace(warn=said.append)
+
+    def batch(reward):
+        return types.SimpleNamespace(rewards=torch.full((4,), reward),
+                                     samples=[types.SimpleNamespace(response_ids=[1, 2, 3])] * 4)
+    watch = Watch(monitor)
+    for step in range(10):
+        watch.check(step, batch(0.1 + 0.05 * step), max_new_tokens=3)
+    assert not said
+    watch = Watch(monitor)
+    for step in range(10):
+        watch.check(step, batch(0.3), max_new_tokens=3)
+    assert len(said) == 1 and "answers are cut off" in said[0]

@@ -44,35 +44,11 @@ from rollout.service import RolloutSpec
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
 from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
-from trainer_bridge.config import (ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
+from trainer_bridge.config import (BackendConfig, ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
                                    model_context)
 from trainer_bridge.fleets import make_fleet, rollout_host
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BackendConfig:
-    model_path: str
-    task: TaskConfig = field(default_factory=TaskConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    normalize_std: bool = True
-    overlong_buffer: int = 0          # DAPO overlong penalty over the last N tokens before max_new_tokens (0: off)
-    overlong_penalty: float = 1.0
-    seed: int = 0
-    log_dir: str = ""
-
-    @classmethod
-    def of_job(cls, job: JobConfig, log_dir: str = "") -> "BackendConfig":
-        """The rollout side of a riptide-train job (its sections as they are, the trainer's reward
-        shaping, the model it starts from)."""
-        t = job.trainer
-        return cls(model_path=str(job.model.path), task=job.task, rollout=job.rollout, server=job.server,
-                   weight_sync=job.weight_sync, cluster=job.cluster, normalize_std=t.normalize_std, seed=job.seed,
-                   overlong_buffer=t.overlong_buffer, overlong_penalty=t.overlong_penalty, log_dir=log_dir)
 
 
 def task_items(task: TaskConfig, seed: int) -> list[dict]:

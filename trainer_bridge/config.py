@@ -318,7 +318,7 @@ def auto_lr(from_scratch: bool) -> float:
 
 @dataclass
 class TrainerConfig:
-    steps: int = f(200, "training steps (one rollout batch and one optimizer step each)")
+    steps: int = f(150, "training steps (one rollout batch and one optimizer step each)")
     lr: float = f(0.0, "AdamW learning rate (the peak, with a schedule); 0: auto, 1e-3 for a model built from scratch "
                        "(model.build_tiny) and 1e-6 for a pretrained checkpoint (verl's and TRL's default: 1e-3 "
                        "wrecks one, answers growing to max_new_tokens within 5 steps)")
@@ -434,6 +434,23 @@ class LoggerConfig:
 
 
 @dataclass
+class BackendConfig:
+    """The rollout side: what RolloutBackend (the attach API) runs. A riptide-train job's is
+    `JobConfig.backend()`, its sections as they are."""
+    model_path: str
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    normalize_std: bool = True
+    overlong_buffer: int = 0          # DAPO overlong penalty over the last N tokens before max_new_tokens (0: off)
+    overlong_penalty: float = 1.0
+    seed: int = 0
+    log_dir: str = ""
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -446,6 +463,14 @@ class JobConfig:
     run_dir: str = f("runs/default", "checkpoints, metrics.jsonl, the plot and the wandb run go here")
     mode: str = f("async", "async (the manager generates while the trainer trains) | sync (generate, wait, train)")
     seed: int = f(0, "seed of the data order and the servers")
+
+    def backend(self, log_dir: str = "") -> BackendConfig:
+        """The job's rollout side, for RolloutBackend: each of BackendConfig's fields from the job's
+        field of that name, or the trainer's (its reward shaping), so the two cannot drift apart."""
+        sources = (self, self.trainer)
+        given = {f.name: getattr(next(s for s in sources if hasattr(s, f.name)), f.name)
+                 for f in dataclasses.fields(BackendConfig) if any(hasattr(s, f.name) for s in sources)}
+        return BackendConfig(**given, model_path=str(self.model.path), log_dir=log_dir)
 
     def validate(self) -> "JobConfig":
         """Raise ConfigError naming every problem at once; nothing has started yet."""

@@ -81,14 +81,16 @@ class Monitor:
         chart how long it has held)."""
         self._say(f"riptide WARNING: {message}", "warnings", message)
 
-    def note(self, message: str) -> None:
-        """Worth knowing, not wrong: on the console and in wandb's summary."""
-        self._say(f"riptide: {message}", "notes", message)
+    def note(self, message: str, console: bool = True) -> None:
+        """Worth knowing, not wrong: on the console (unless `console` is False) and in wandb's summary."""
+        self._say(f"riptide: {message}" if console else None, "notes", message)
 
-    def _say(self, line: str, summary_key: str, message: str) -> None:
+    def _say(self, line: str | None, summary_key: str, message: str) -> None:
         """`line` on the console (above the progress bar, if any); `message` appended to the wandb
         summary's `summary_key` list."""
-        if self.bar is not None:
+        if line is None:
+            pass
+        elif self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:
             print(line, file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
-from trainer_bridge.backend import BackendConfig, PushInFlight, RolloutBackend, in_background
+from trainer_bridge.backend import PushInFlight, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
 from trainer_bridge.job.monitor import Monitor
@@ -189,7 +189,7 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
     if lead.rank != 0:
         follow(model, trainer, trainer.load(resume)[0] if resume is not None else 0)
         return None
-    backend = RolloutBackend(BackendConfig.of_job(job, str(run_dir / "logs")),
+    backend = RolloutBackend(job.backend(str(run_dir / "logs")),
                              rollout_fn=get_rollout_fn(job.rollout.rollout_fn))
     first_step = 0
     if resume is not None:
@@ -253,8 +253,8 @@ class Steps:
                 self.save(self.done)
             self.lead.stop()
             note = partial_rollout_note(job, self.monitor.history[-1] if self.monitor.history else {})
-            if note:
-                self.monitor.note(note)
+            if note:                # the defaults' own behaviour, not a fault: in the run's summary only
+                self.monitor.note(note, console=False)
         finally:
             IN_STEP.clear()
             if self.pending is not None:          # failing: the push in flight ends before the backend closes
@@ -410,25 +410,32 @@ def save_config(job: JobConfig, run_dir: Path) -> Path:
 
 
 class Watch:
-    """Warnings a run needs to see: every reward zero, or every response cut at max_new_tokens,
-    for `patience` steps in a row. Loud on the console (once, then every `patience` steps) and in
-    wandb (warn/* metrics, 1 while it holds)."""
+    """Warnings a run needs to see: every reward zero, or every response cut at max_new_tokens
+    while the reward does not rise, for `patience` steps in a row. Loud on the console (once, then
+    every `patience` steps) and in wandb (warn/* metrics: the streaks' lengths). A model still
+    learning to stop within its budget (the tiny demo's first steps) has every response cut and a
+    rising reward: no warning."""
 
     def __init__(self, monitor: Monitor, patience: int = 10):
         self.patience, self.monitor = patience, monitor
         self.zero = self.cut = 0
+        self.cut_rewards: list[float] = []
 
     def check(self, step: int, batch: TrainBatch, max_new_tokens: int) -> dict:
         rewards = batch.rewards
         self.zero = self.zero + 1 if bool((rewards == 0).all()) else 0
         truncated = [len(s.response_ids) >= max_new_tokens for s in batch.samples]
         self.cut = self.cut + 1 if truncated and all(truncated) else 0
+        self.cut_rewards = (self.cut_rewards + [float(rewards.float().mean())])[-self.patience:] if self.cut else []
         out = {"warn/all_rewards_zero_steps": self.zero, "warn/all_truncated_steps": self.cut}
         if self.zero and self.zero % self.patience == 0:
             self.monitor.warn(f"step {step}: every reward has been 0 for {self.zero} steps: nothing to learn from. "
                               f"Check task.reward on a few responses, rollout.max_new_tokens, the chat template "
                               f"(rollout.use_chat_template) and the prompt format")
-        if self.cut and self.cut % self.patience == 0:
+        half = self.patience // 2
+        rising = sum(self.cut_rewards[half:]) / max(1, len(self.cut_rewards) - half) > \
+            sum(self.cut_rewards[:half]) / max(1, half) + 0.02
+        if self.cut and self.cut % self.patience == 0 and not rising:
             self.monitor.warn(f"step {step}: every response has hit rollout.max_new_tokens={max_new_tokens} for "
                               f"{self.cut} steps: answers are cut off; raise it (and server.context_length)")
         return out
