@@ -123,7 +123,43 @@ class RolloutService:
         await self.manager.router.close()
 
 
-class ThreadRollout:
+class RolloutCalls:
+    """The rollout process's methods (RolloutService's), typed, over a host's `call`: the trainer
+    side (RolloutBackend) calls these, never a method named by string. Each host (ThreadRollout,
+    LocalRollout, fleets/ray_cluster.RayRollout, the backend's NoManager) supplies `call`."""
+
+    def call(self, method: str, *args, timeout_s: float | None = None) -> Any:
+        raise NotImplementedError
+
+    def start_manager(self) -> None:
+        self.call("start")
+
+    def next_batch(self, as_of: int | None = None, timeout_s: float | None = None) -> tuple[list, dict]:
+        return self.call("next_batch", as_of, timeout_s=timeout_s)
+
+    def batch_ready(self, as_of: int | None = None) -> bool:
+        return bool(self.call("batch_ready", as_of))
+
+    def on_weights_updated(self, version: int, on_policy: bool = False) -> None:
+        self.call("on_weights_updated", version, on_policy)
+
+    def state(self) -> dict:
+        return self.call("state")
+
+    def status(self) -> dict:
+        return self.call("status")
+
+    def add_server(self, url: str) -> None:
+        self.call("add_server", url)
+
+    def remove_server(self, url: str) -> None:
+        self.call("remove_server", url)
+
+    def down_servers(self) -> list[str]:
+        return list(self.call("down_servers") or [])
+
+
+class ThreadRollout(RolloutCalls):
     """RolloutService on an event loop in a thread of this process (`cluster.rollout_process=false`):
     no process to start, but the manager shares the trainer's GIL."""
 
@@ -161,7 +197,7 @@ def _console():
         return None
 
 
-class LocalRollout:
+class LocalRollout(RolloutCalls):
     """RolloutService in a subprocess of its own (`python -m rollout.service`), spoken to over a
     socket pair. Not multiprocessing's spawn: that re-runs the trainer's main script in the child,
     which a plain script without a main guard would not survive. So callables in the spec must be

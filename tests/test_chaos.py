@@ -161,6 +161,6 @@ def test_a_killed_rollout_process_is_named_when_the_trainer_next_calls_it(tmp_pa
         host._proc.wait(30)
         host._started = True
         with pytest.raises(RuntimeError, match=r"rollout process died \(exit code -9\) during next_batch"):
-            host.call("next_batch", timeout_s=10)
+            host.next_batch(timeout_s=10)
     finally:
         host.close()

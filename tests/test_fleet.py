@@ -114,7 +114,7 @@ def test_a_lost_node_loses_no_sample_and_its_server_is_replaced(cluster, chars_m
         c.remove_node(node)                      # the server's node goes, mid-rollout (rollout never pauses)
         assert gone(victim), "the server died with its node"
         step()
-        assert b.rollout.call("status")["metrics"]["retries"] > 0, "requests on the lost server moved"
+        assert b.rollout.status()["metrics"]["retries"] > 0, "requests on the lost server moved"
         stats, took = pushes[-1]
         assert victim in stats.dropped and took < 5, "the push after the loss commits on the survivor in time"
         survivor = next(u for u in stats.serving if u != victim)

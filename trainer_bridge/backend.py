@@ -40,7 +40,7 @@ from rollout.agent import RolloutFn, single_turn
 from rollout.client import Generation, RequestRefused, ServerError, client_for
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
-from rollout.service import RolloutSpec
+from rollout.service import RolloutCalls, RolloutSpec
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
 from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
@@ -169,7 +169,7 @@ class RolloutBackend:
             self.cfg.rollout, list(self.servers), self.cfg.model_path, self.items, self.cfg.task.reward,
             self.rollout_fn, self.cfg.server.api_key or None, self.cfg.seed, self._state, version,
             engine=self.cfg.server.engine))
-        self.rollout.call("start")
+        self.rollout.start_manager()
 
     def next_batch(self, timeout_s: float | None = None, as_of: int | None = None) -> TrainBatch:
         """The next batch_size groups as padded tensors, with GRPO advantages and rollout metrics.
@@ -177,7 +177,7 @@ class RolloutBackend:
         the staleness bound is judged against it)."""
         if as_of is None:            # a push in flight admits and evicts servers itself
             self._admit()
-        groups, metrics = self.rollout.call("next_batch", as_of, timeout_s=timeout_s)
+        groups, metrics = self.rollout.next_batch(as_of, timeout_s=timeout_s)
         batch = Batch.from_groups(groups, self.tokenizer.pad_token_id)
         rewards = batch.rewards
         if self.cfg.overlong_buffer:
@@ -197,7 +197,7 @@ class RolloutBackend:
         """Whether next_batch(as_of=as_of) would return at once. A caller on another thread than the
         pushes polls this before next_batch: a next_batch that waits holds the manager's channel, and
         a push that the wait needs would queue behind it."""
-        return bool(self.rollout.call("batch_ready", as_of))
+        return self.rollout.batch_ready(as_of)
 
     def generate(self, prompts: list[list[int]], sampling_params: dict | None = None) -> list[Generation]:
         """One completion per prompt (token ids), sampled on the member servers spread round-robin:
@@ -225,7 +225,7 @@ class RolloutBackend:
         for url in list(stats.dropped) + [u for u in stats.pending if self._dead(u)]:
             if url in self.servers:
                 self._evict(url, replace=self.cfg.cluster.replace_evicted)
-        self.rollout.call("on_weights_updated", version, on_policy)
+        self.rollout.on_weights_updated(version, on_policy)
         self._admit()
         return stats
 
@@ -279,7 +279,7 @@ class RolloutBackend:
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Pause the manager (in-flight samples become partial), read its state, resume."""
-        return self.rollout.call("state")
+        return self.rollout.state()
 
     def load_state_dict(self, state: dict) -> None:
         """Before start(): the data position and the unconsumed (partial) groups to resume."""
@@ -303,7 +303,7 @@ class RolloutBackend:
         self.servers = [u for u in self.servers if u != url]
         self._catching_up.pop(url, None)
         self.sync.remove_receiver(url)
-        self.rollout.call("remove_server", url)
+        self.rollout.remove_server(url)
         self.fleet.stop(url)
         self.stats.evictions += 1
         self.stats.last_eviction_at = time.time()
@@ -319,7 +319,7 @@ class RolloutBackend:
         """Servers the router has marked down (no answer, or no progress, for progress_timeout_s:
         a lost host, a cut link, a frozen process) leave before the push rather than cost it a hop
         timeout; one server always stays."""
-        down = [u for u in self.rollout.call("down_servers") if u in self.servers]
+        down = [u for u in self.rollout.down_servers() if u in self.servers]
         for url in down[:len(self.servers) - 1]:
             self._evict(url, replace=self.cfg.cluster.replace_evicted)
 
@@ -343,7 +343,7 @@ class RolloutBackend:
         for url, since in list(self._catching_up.items()):
             if self._version_of(url) == self.version:
                 del self._catching_up[url]
-                self.rollout.call("add_server", url)
+                self.rollout.add_server(url)
                 self.servers.append(url)
                 self.stats.replacements += 1
                 self.stats.last_replace_s = time.monotonic() - since
@@ -423,7 +423,7 @@ def served_version(url: str, api_key: str | None = None) -> int | None:
         return None
 
 
-class NoManager:
+class NoManager(RolloutCalls):
     """The manager's place in a backend started with manager=False: no rollout loop, nothing to
     tell it of servers and versions."""
 
