@@ -310,7 +310,7 @@ def main() -> None:
     out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
                 "model": a.model, "dtype": a.dtype,
                 "settings": {"riptide": {"dtype": a.dtype, "max_running_requests": a.concurrency, "context_length": 1024,
-                                         "cpu_threads": "its default (cores - 1 a step, big steps in two halves)"},
+                                         "cpu_threads": "its default (cores - 1 a step; on 2 cores each step size split in two halves or run on one team over both, whichever measured faster: cpu_split.TwoWays)"},
                              "vllm": {"dtype": a.dtype, "max_num_seqs": a.concurrency, "max_model_len": 1024,
                                       "VLLM_CPU_OMP_THREADS_BIND": a.vllm_bind, "VLLM_CPU_KVCACHE_SPACE": "4 GB"}},
                 "vllm_bind": a.vllm_bind})
