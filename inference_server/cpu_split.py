@@ -39,9 +39,10 @@ class TwoWays:
     the team's thread still spinning), so it is left out. A try comes after `first_retry` steps of
     that size, then after twice as many each time the other way loses again (up to `max_retry`),
     back to `first_retry` when it wins: when the team stalls 3.6x behind a busy neighbour, its
-    tries cost about 2% of the steps."""
+    tries cost about 2% of the steps. A size starts on its own way (the split), which never
+    stalls, so a crowded host (servers and a trainer sharing two cores) meets the team only in a try."""
 
-    WAYS = ("team", "own")
+    WAYS = ("own", "team")                              # the first is where a step size starts
     BASE, TRY = 3, 4                                    # steps compared before a try, steps a try takes
 
     def __init__(self, first_retry: int = 8, max_retry: int = 512):
