@@ -217,6 +217,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--warmup-requests", type=int, default=None,
+                   help="requests in each engine's warm-up pass, not measured (default: --num-requests)")
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--servers", default="riptide,vllm", type=lambda v: v.split(","),
@@ -270,7 +272,7 @@ def main() -> None:
             url, _ = stack.enter_context(vllm_server(ensure_vllm(scratch), model, a.concurrency,
                                                      scratch / "vllm_server.log", a.vllm_bind, dtype=a.dtype))
             urls["vllm"] = (url, "tiny")
-        warm_prompts, warm_new = make_workload(a.num_requests, vocab, a.seed + 1)
+        warm_prompts, warm_new = make_workload(a.warmup_requests or a.num_requests, vocab, a.seed + 1)
         for name, (url, served) in urls.items():
             result = asyncio.run(drive(url, served, warm_prompts, warm_new, a.concurrency))
             log(f"{name} warm-up: {result['tok_s']:.0f} tok/s")
@@ -307,7 +309,7 @@ def main() -> None:
         paged = "riptide_paged" if "riptide_paged" in passes else "riptide"
         out["paged_over_contiguous"] = round(out[f"{paged}_tok_s"] / out["riptide_contiguous_tok_s"], 3)
     out.update(agreement)
-    out.update({"passes": passes, "num_requests": a.num_requests, "concurrency": a.concurrency, "threads": threads,
+    out.update({"passes": passes, "num_requests": a.num_requests, "warmup_requests": a.warmup_requests or a.num_requests, "concurrency": a.concurrency, "threads": threads,
                 "model": a.model, "dtype": a.dtype,
                 "settings": {"riptide": {"dtype": a.dtype, "max_running_requests": a.concurrency, "context_length": 1024,
                                          "cpu_threads": "its default (cores - 1 a step; on 2 cores each step size split in two halves or run on one team over both, whichever measured faster: cpu_split.TwoWays)"},
