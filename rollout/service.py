@@ -123,7 +123,7 @@ class RolloutService:
         await self.manager.router.close()
 
 
-class RolloutCalls:
+class RolloutHost:
     """The rollout process's methods (RolloutService's), typed, over a host's `call`: the trainer
     side (RolloutBackend) calls these, never a method named by string. Each host (ThreadRollout,
     LocalRollout, fleets/ray_cluster.RayRollout, the backend's NoManager) supplies `call`."""
@@ -159,7 +159,7 @@ class RolloutCalls:
         return list(self.call("down_servers") or [])
 
 
-class ThreadRollout(RolloutCalls):
+class ThreadRollout(RolloutHost):
     """RolloutService on an event loop in a thread of this process (`cluster.rollout_process=false`):
     no process to start, but the manager shares the trainer's GIL."""
 
@@ -197,7 +197,7 @@ def _console():
         return None
 
 
-class LocalRollout(RolloutCalls):
+class LocalRollout(RolloutHost):
     """RolloutService in a subprocess of its own (`python -m rollout.service`), spoken to over a
     socket pair. Not multiprocessing's spawn: that re-runs the trainer's main script in the child,
     which a plain script without a main guard would not survive. So callables in the spec must be

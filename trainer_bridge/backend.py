@@ -40,7 +40,7 @@ from rollout.agent import RolloutFn, single_turn
 from rollout.client import Generation, RequestRefused, ServerError, client_for
 from rollout.config import RolloutConfig
 from rollout.data import prompt_ids
-from rollout.service import RolloutCalls, RolloutSpec
+from rollout.service import RolloutHost, RolloutSpec
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
 from trainer_bridge.training import grpo
 from trainer_bridge.batch import Batch, TrainBatch
@@ -423,7 +423,7 @@ def served_version(url: str, api_key: str | None = None) -> int | None:
         return None
 
 
-class NoManager(RolloutCalls):
+class NoManager(RolloutHost):
     """The manager's place in a backend started with manager=False: no rollout loop, nothing to
     tell it of servers and versions."""
 
@@ -431,7 +431,7 @@ class NoManager(RolloutCalls):
         pass
 
     def call(self, method: str, *args, timeout_s: float | None = None):
-        return [] if method == "down_servers" else None
+        return None
 
     def close(self) -> None:
         pass

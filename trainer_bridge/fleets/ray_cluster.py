@@ -22,7 +22,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from platforms import server_bundle
 from inference_server.process import ServerProcess, VllmProcess, free_port, is_loopback
-from rollout.service import RolloutCalls, RolloutService, RolloutSpec
+from rollout.service import RolloutHost, RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
 from trainer_bridge.fleets.local import model_files, server_args, take_from_peer
 
@@ -134,7 +134,7 @@ class RolloutActor:
         return await getattr(self.service, method)(*args)
 
 
-class RayRollout(RolloutCalls):
+class RayRollout(RolloutHost):
     """The trainer's side of the rollout actor: the same blocking call() as LocalRollout."""
 
     def start(self, spec: RolloutSpec, timeout_s: float = 120.0) -> None:
