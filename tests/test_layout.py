@@ -68,6 +68,60 @@ def test_no_import_cycle_inside_a_package():
     assert cycles(graph) == []
 
 
+def room(module: str, known: dict) -> str:
+    """A module's place for the folder-level check: its folder when that is a sub-folder of a package
+    (trainer_bridge.job.run -> trainer_bridge.job), else the module itself (trainer_bridge.config)."""
+    parts = module.split(".")
+    folder = parts if known[module].name == "__init__.py" else parts[:-1]
+    return ".".join(folder) if len(folder) >= 2 else module
+
+
+def test_no_folder_imports_a_folder_that_imports_it_back():
+    """Sub-folders (trainer_bridge/job, training, fleets, ...) import each other one way: a rank's
+    entry that runs the job lives with the job, not beside the trainer the job imports."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for m, f in known.items():
+        a = room(m, known)
+        graph.setdefault(a, set()).update(room(t, known) for t in imports(f, known) if room(t, known) != a)
+    for deps in list(graph.values()):
+        for d in deps:
+            graph.setdefault(d, set())
+    assert cycles(graph) == []
+
+
+def private_uses(module: str, path: Path, known: dict) -> list[str]:
+    """`from m import _name` and `m._name` in `module`, where m is another project module."""
+    tree, alias, out = ast.parse(path.read_text()), {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in known:
+                    alias[a.asname or a.name] = full
+                elif node.module in known and a.name.startswith("_") and not a.name.startswith("__"):
+                    out.append(f"{module}:{node.lineno}: from {node.module} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name in known:
+                    alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            chain, v = [], node.value
+            while isinstance(v, ast.Attribute):
+                chain.append(v.attr)
+                v = v.value
+            target = ".".join([alias[v.id]] + chain[::-1]) if isinstance(v, ast.Name) and v.id in alias else None
+            if target in known and target != module:
+                out.append(f"{module}:{node.lineno}: {target}.{node.attr}")
+    return out
+
+
+def test_no_module_uses_another_modules_private_names():
+    known = modules()
+    assert [u for m, f in known.items() for u in private_uses(m, f, known)] == []
+
+
 def test_lower_layers_do_not_import_upper_ones():
     """The rollout process, the servers and weight sync never load the trainer's package (nor
     each other's, beyond what BELOW allows)."""

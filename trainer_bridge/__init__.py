@@ -7,8 +7,9 @@
 
 - `fleets/`: where servers and the rollout manager run (`local.py` subprocesses, `ray_cluster.py`).
 - `training/`: the built-in GRPO trainer (`grpo.py` the math, `trainer.py`), and its k ranks
-  (`ranks.py`, `rank_entry.py`).
-- `job/`: a riptide-train job top to bottom (`run.py`) and what it reports (`monitor.py`);
+  (`ranks.py`).
+- `job/`: a riptide-train job top to bottom (`run.py`), what it reports (`monitor.py`), and the
+  process entry of trainer ranks k > 0 (`rank_entry.py`, which runs the same job);
   `train.py` here is the Hydra entry (`riptide-train`), `config.py` the schema every part reads.
 """
 from __future__ import annotations

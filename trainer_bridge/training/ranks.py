@@ -166,7 +166,7 @@ class _LocalRanks:
                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "OMP_NUM_THREADS": threads,
                    "RIPTIDE_PARENT_PID": str(os.getpid())}
             with open(self.logs[-1], "ab") as out:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.training.rank_entry", str(spec)],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "trainer_bridge.job.rank_entry", str(spec)],
                                                    env=env, stdout=out, stderr=subprocess.STDOUT,
                                                    start_new_session=True))
 

@@ -1,8 +1,8 @@
 """Trainer rank k > 0 started as a process by rank 0 (trainer_bridge.training.ranks._LocalRanks):
 
-    python -m trainer_bridge.training.rank_entry <job pickle>
+    python -m trainer_bridge.job.rank_entry <job pickle>
 
-Its own module, so that nothing imports the job (trainer_bridge.job.run) back from the ranks."""
+In job/, beside the job it runs: training/ranks.py starts it by module name and imports nothing of job/."""
 from __future__ import annotations
 
 import logging
