@@ -95,7 +95,7 @@ class VllmPort:
         pass
 
     def abort_all(self) -> int:
-        """weight_sync.inflight=abort: the swap pauses vLLM with mode=abort, which ends every request
+        """rollout.update_policy=abort_all (InFlight.ABORT at the commit): the swap pauses vLLM with mode=abort, which ends every request
         in flight with its partial tokens (finish "abort"; the rollout side resumes them on the new
         weights). vLLM does not say how many: 0."""
         self.pause_mode = "abort"
@@ -110,11 +110,11 @@ class VllmPort:
                 if r.status_code != 200:
                     raise RuntimeError(f"vLLM {path} answered {r.status_code}: {r.text[:500]}")
                 return r
-            # The scheduler holds its requests (mode=keep; abort under inflight=abort) from before
+            # The scheduler holds its requests (mode=keep; abort under update_policy=abort_all) from before
             # the load until the version label is set: vLLM's finish sets the label after the load,
             # and a step in between would label new-weight tokens with the old version. Under keep,
             # requests in flight go on with the new weights over the KV the old ones wrote, as on
-            # the embedded server with inflight=continue.
+            # the embedded server when requests continue.
             mode, self.pause_mode = self.pause_mode, "keep"
             call(f"/pause?mode={mode}&clear_cache=false")
             try:

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from rollout.types import Group
@@ -69,15 +71,15 @@ class LengthLedger:
 
 
 @dataclass
-class RolloutMetrics:
-    """Running totals; `BatchReport` turns them into per-batch differences and gauges."""
+class Totals:
+    """Running totals of the rollout: as the manager counts them (RolloutMetrics) and as a batch
+    reports them (BatchMetrics)."""
     samples_finished: int = 0
     tokens_generated: int = 0
     tokens_aborted: int = 0        # tokens in requests cut short by an abort (kept: they resume)
     tokens_resumed: int = 0        # response tokens carried into a resumed request
     tokens_wasted: int = 0         # generated tokens thrown away (filtered, stale, failed groups)
     retries: int = 0
-    drops: collections.Counter = field(default_factory=collections.Counter)   # DropReason value -> groups
     stale_dropped: int = 0
     kept_past_patience: int = 0    # groups the filter rejected but kept (filter_patience)
     groups_failed: int = 0         # groups whose requests or reward failed (each retried, or dropped)
@@ -89,11 +91,17 @@ class RolloutMetrics:
                                    # was not a batch ahead, so the trainer would have waited on the re-prefill
     waits_for_old: int = 0         # stale_policy wait: batches whose wait saw at-risk groups running
     wait_for_old_s: float = 0.0    # ... the trainer's wait for them (part of its wait for data)
-    tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
-    lengths: LengthLedger = field(default_factory=LengthLedger)
     samples_scored: int = 0        # samples of whole groups scored, the filter's drops included
     reward_scored: float = 0.0     # ... their rewards' sum
     correct_scored: int = 0        # ... how many got full reward (>= 0.999)
+
+
+@dataclass
+class RolloutMetrics(Totals):
+    """Running totals; `BatchReport` turns them into per-batch differences and gauges."""
+    drops: collections.Counter = field(default_factory=collections.Counter)   # DropReason value -> groups
+    tokens_by_server: collections.Counter = field(default_factory=collections.Counter)   # url -> tokens
+    lengths: LengthLedger = field(default_factory=LengthLedger)
 
     def scored(self, rewards: list[float]) -> None:
         """A whole group's rewards, before the filter: with dynamic sampling (all_equal) the trained
@@ -103,11 +111,58 @@ class RolloutMetrics:
         self.reward_scored += sum(rewards)
         self.correct_scored += sum(r >= 0.999 for r in rewards)
 
+    def totals(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Totals)}
+
     def snapshot(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("drops", "tokens_by_server", "lengths")}
-        d["drops"] = dict(self.drops)
-        d.update(self.lengths.snapshot())
-        return d
+        """The totals, the drops and the length ledger's figures, as plain values (status, checkpoints)."""
+        return {**self.totals(), "drops": dict(self.drops), **self.lengths.snapshot()}
+
+
+@dataclass
+class BatchMetrics(Totals, Mapping):
+    """What the rollout reports with each batch (`TrainBatch.metrics`): the totals so far, the rates
+    since the previous batch, the manager's gauges, the batch's own figures, and what the backend
+    adds. Read by attribute; as a mapping it reads the same names flat (`m["staleness_max"]`,
+    `m.items()`, the fleet's as "fleet/servers", ...), as the report's dict did."""
+    drops: dict = field(default_factory=dict)              # DropReason value -> groups, so far
+    length_bias: float = 1.0                               # LengthLedger's, so far
+    generated_mean_len: float = 0.0
+    trained_mean_len: float = 0.0
+    by_length: dict = field(default_factory=dict)          # bucket -> samples generated / trained / dropped / pending
+    tokens_by_length: dict = field(default_factory=dict)   # ... their tokens
+    wait_s: float = 0.0                                    # the trainer's wait for this batch
+    samples_per_s: float = 0.0                             # since the previous batch
+    tokens_per_s: float = 0.0
+    tokens_per_s_by_server: dict = field(default_factory=dict)
+    inflight: int = 0                                      # gauges: requests, groups running and ready
+    groups_running: int = 0
+    groups_ready: int = 0
+    staleness_hist: dict = field(default_factory=dict)     # versions behind the trainer -> samples
+    staleness_max: int = 0
+    reward_mean: float = 0.0                               # the trained batch
+    scored_reward_mean: float = 0.0                        # every group scored since the last batch
+    scored_accuracy: float = 0.0
+    samples_scored_since: int = 0
+    response_len_mean: float = 0.0
+    trainer_version: int = 0
+    overlong_penalty_mean: float | None = None             # the backend's, with trainer.overlong_buffer
+    fleet: dict = field(default_factory=dict)              # the backend's: "fleet/servers", "fleet/evictions", ...
+
+    def _flat(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fleet"}
+        if out["overlong_penalty_mean"] is None:
+            del out["overlong_penalty_mean"]
+        return {**out, **self.fleet}
+
+    def __getitem__(self, name: str):
+        return self._flat()[name]
+
+    def __iter__(self):
+        return iter(self._flat())
+
+    def __len__(self) -> int:
+        return len(self._flat())
 
 
 class BatchReport:
@@ -119,7 +174,7 @@ class BatchReport:
         self._last_scored = (0, 0.0, 0)         # samples scored, their reward, full-reward samples
         self._last_by_server: collections.Counter = collections.Counter()
 
-    def __call__(self, groups: list[Group], trainer_version: int, wait_s: float, gauges: dict) -> dict:
+    def __call__(self, groups: list[Group], trainer_version: int, wait_s: float, gauges: dict) -> BatchMetrics:
         now, m = time.monotonic(), self.metrics
         t_prev, samples_prev, tokens_prev = self._last
         dt = max(now - t_prev, 1e-9)
@@ -132,21 +187,20 @@ class BatchReport:
         n, total, correct = (a - b for a, b in zip(scored, self._last_scored))
         self._last_scored = scored
         staleness = collections.Counter(s.staleness(trainer_version) for s in samples)
-        return {
-            **m.snapshot(),
-            "wait_s": wait_s,
-            "samples_per_s": (m.samples_finished - samples_prev) / dt,
-            "tokens_per_s": (m.tokens_generated - tokens_prev) / dt,
-            "tokens_per_s_by_server": by_server,
+        return BatchMetrics(
+            **m.totals(), drops=dict(m.drops), **m.lengths.snapshot(),
+            wait_s=wait_s,
+            samples_per_s=(m.samples_finished - samples_prev) / dt,
+            tokens_per_s=(m.tokens_generated - tokens_prev) / dt,
+            tokens_per_s_by_server=by_server,
             **gauges,
-            "staleness_hist": dict(sorted(staleness.items())),
-            "staleness_max": max(staleness),
-            "reward_mean": trained_reward,        # the trained batch
+            staleness_hist=dict(sorted(staleness.items())),
+            staleness_max=max(staleness),
+            reward_mean=trained_reward,        # the trained batch
             # every group scored since the last batch, filtered ones included (the batch's own
             # groups when it was ready before then)
-            "scored_reward_mean": total / n if n else trained_reward,
-            "scored_accuracy": correct / n if n else sum(s.reward >= 0.999 for s in samples) / len(samples),
-            "samples_scored_since": n,
-            "response_len_mean": sum(len(s.response_ids) for s in samples) / len(samples),
-            "trainer_version": trainer_version,
-        }
+            scored_reward_mean=total / n if n else trained_reward,
+            scored_accuracy=correct / n if n else sum(s.reward >= 0.999 for s in samples) / len(samples),
+            samples_scored_since=n,
+            response_len_mean=sum(len(s.response_ids) for s in samples) / len(samples),
+            trainer_version=trainer_version)

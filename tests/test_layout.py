@@ -4,6 +4,8 @@ those at the top: a cycle hidden in a function is still a cycle."""
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("platforms", "weight_sync", "inference_server", "rollout", "trainer_bridge")
 BELOW = {"platforms": (), "weight_sync": ("platforms",), "inference_server": ("platforms", "weight_sync"),
@@ -231,3 +233,20 @@ def test_a_jobs_rollout_side_is_its_own_sections():
     unmatched = [f.name for f in dataclasses.fields(BackendConfig)
                  if not hasattr(job, f.name) and not hasattr(job.trainer, f.name)]
     assert sorted(unmatched) == ["log_dir", "model_path"]
+
+
+def test_a_setting_with_fixed_values_is_an_enum_checked_before_start():
+    """The attach API may pass the value as a string; it becomes the member, equal and printed as the
+    value. A value outside the set is named with the ones allowed."""
+    from trainer_bridge.config import ClusterConfig, ConfigError, ServerConfig, TrainerConfig
+    server, cluster, trainer = ServerConfig(kv_layout="paged", engine="riptide", context_length=64), \
+        ClusterConfig(kind="ray"), \
+        TrainerConfig(off_policy="icepop")
+    for section in (server, cluster, trainer):
+        section.validate()
+    assert (server.kv_layout.name, cluster.kind.name, trainer.off_policy.name) == ("paged", "ray", "icepop")
+    assert f"{server.kv_layout} {cluster.kind}" == "paged ray" and cluster.kind == "ray"
+    with pytest.raises(ConfigError) as e:
+        ServerConfig(kv_layout="pagd", engine="sglang", context_length=64).validate()
+    assert "server.kv_layout='pagd': use auto | paged | contiguous" in str(e.value)
+    assert "server.engine='sglang': use riptide | vllm" in str(e.value)

@@ -68,7 +68,8 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
     (["weight_sync.protocol=ascend_direct"], ["weight_sync.protocol='ascend_direct'", "tcp, rdma"]),
     (["trainer.lr=abc"], ["trainer.lr='abc'", "a number"]),
     (["trainer.resume=latest"], ["trainer.resume=latest", "no checkpoint"]),
-    (["server.engine=sglang"], ["server.engine='sglang'", "riptide or vllm"]),
+    (["server.engine=sglang"], ["server.engine='sglang'", "riptide | vllm"]),
+    (["cluster.kind=k8s", "server.kv_layout=pagd"], ["cluster.kind='k8s': use local | ray", "server.kv_layout='pagd'"]),
     (["server=vllm", "server.vllm_python=/no/python"], ["server.engine=vllm", "/no/python", "make setup-vllm"]),
     (["task.name=bogus", "trainer.lr=-1", "rollout.max_new_tokens=10000"],
      ["task.name='bogus'", "trainer.lr=-1.0", "rollout.max_new_tokens=10000"]),   # one line per problem

@@ -212,7 +212,7 @@ def test_a_grpo_job_on_vllm_servers_learns_and_stops_them(tmp_path):
 
 
 def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(tmp_path):
-    """weight_sync.inflight=abort on a vLLM server: each commit ends the requests in flight (vLLM's
+    """rollout.update_policy=abort_all on a vLLM server: each commit ends the requests in flight (vLLM's
     pause in abort mode) and the manager resumes them from their partial tokens on the new weights.
     A resumed sample's tokens carry the version vLLM labelled them with, and that is exact: every
     token's behaviour logprob is the one the weights of its version give (recomputed here with
@@ -221,14 +221,13 @@ def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(tmp_
 
     from rollout.config import RolloutConfig
     from trainer_bridge.backend import BackendConfig, RolloutBackend
-    from trainer_bridge.config import ServerConfig, TaskConfig, WeightSyncConfig
+    from trainer_bridge.config import ServerConfig, TaskConfig
     path = tiny(tmp_path, 0)
     rollout = RolloutConfig(batch_size=4, group_size=4, max_new_tokens=96, ignore_eos=True, temperature=1.0,
-                            update_policy="continue", max_staleness=2)
+                            update_policy="abort_all", max_staleness=2)
     cfg = BackendConfig(path, task=TaskConfig(name="copy", num_digits=3, num_prompts=64), rollout=rollout,
                         server=ServerConfig(engine="vllm", context_length=256, max_running_requests=16,
-                                            dtype="float32", device="cpu"),
-                        weight_sync=WeightSyncConfig(inflight="abort"))
+                                            dtype="float32", device="cpu"))
     models = {0: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
     resumed, tokens_resumed = [], 0
     with RolloutBackend(cfg) as backend:

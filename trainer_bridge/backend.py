@@ -38,7 +38,7 @@ import torch
 
 from rollout.agent import RolloutFn, single_turn
 from rollout.client import Generation, RequestRefused, ServerError, client_for
-from rollout.config import RolloutConfig
+from rollout.config import RolloutConfig, UpdatePolicy
 from rollout.data import prompt_ids
 from rollout.service import RolloutHost, RolloutSpec
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
@@ -47,8 +47,17 @@ from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import (BackendConfig, ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
                                    model_context)
 from trainer_bridge.fleets import make_fleet, rollout_host
+from weight_sync.protocol import InFlight
 
 log = logging.getLogger(__name__)
+
+
+def at_commit(policy: UpdatePolicy) -> InFlight:
+    """rollout.update_policy, the one knob for requests in flight at an update, as the servers apply it
+    at a push's commit: abort_all ends every running request with the swap (a manager's come back as
+    partial samples and resume on the new weights; a caller without one gets them partial); under
+    abort_furthest and continue they run on, and abort_furthest's aborts are the manager's."""
+    return InFlight.ABORT if UpdatePolicy(policy) is UpdatePolicy.abort_all else InFlight.CONTINUE
 
 
 def task_items(task: TaskConfig, seed: int) -> list[dict]:
@@ -114,6 +123,7 @@ class RolloutBackend:
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(
                 cfg.server, context_length=model_context(cfg.model_path) or 2048))
         cfg.server.validate()                # attached servers off loopback need a token; engine=vllm needs vLLM
+        cfg.cluster.validate()               # and strings the attach API was given become their enums
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, api_key=cfg.server.token()))
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model_path)
@@ -185,13 +195,13 @@ class RolloutBackend:
             penalty = grpo.overlong_penalty(lengths, self.cfg.rollout.max_new_tokens, self.cfg.overlong_buffer,
                                             self.cfg.overlong_penalty)
             rewards = rewards + penalty
-            metrics = {**metrics, "overlong_penalty_mean": float(penalty.mean())}
+            metrics.overlong_penalty_mean = float(penalty.mean())
         advantages = grpo.group_advantages(rewards, self.cfg.rollout.group_size, self.cfg.normalize_std)
         # tokens/s of the members only: an evicted server is gone from the rows
-        metrics["tokens_per_s_by_server"] = {u: v for u, v in metrics.get("tokens_per_s_by_server", {}).items()
-                                             if u in self.servers}
+        metrics.tokens_per_s_by_server = {u: v for u, v in metrics.tokens_per_s_by_server.items() if u in self.servers}
+        metrics.fleet = self.fleet_metrics()
         return TrainBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
-                          advantages=advantages, metrics={**metrics, **self.fleet_metrics()})
+                          advantages=advantages, metrics=metrics)
 
     def batch_ready(self, as_of: int | None = None) -> bool:
         """Whether next_batch(as_of=as_of) would return at once. A caller on another thread than the
@@ -290,9 +300,10 @@ class RolloutBackend:
         from weight_sync import sharded
         from weight_sync.sender import CommitIncomplete
         try:
+            inflight = at_commit(self.cfg.rollout.update_policy)
             if sharded.is_sharded(model):    # FSDP2: rank 0 here; every other rank calls push_sharded(model, version)
-                return sharded.push_sharded(model, version, self.sync, inflight=self.cfg.weight_sync.inflight)
-            return self.sync.push(model, version, inflight=self.cfg.weight_sync.inflight)
+                return sharded.push_sharded(model, version, self.sync, inflight=inflight)
+            return self.sync.push(model, version, inflight=inflight)
         except CommitIncomplete as e:
             # every server had prepared: the version stands; the ones that did not confirm learn it
             log.warning("%s", e)

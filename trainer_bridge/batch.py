@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.metrics import BatchMetrics
 from rollout.types import Group, Sample
 
 
@@ -47,7 +48,7 @@ class TrainBatch(Batch):
     """What `next_batch` hands a trainer: the padded groups (Batch; per-token tensors [batch, seq]),
     their GRPO advantages [batch] and the rollout's metrics for this batch."""
     advantages: torch.Tensor = None
-    metrics: dict = field(default_factory=dict)
+    metrics: BatchMetrics = field(default_factory=BatchMetrics)
 
     def rows(self, rows: "slice | torch.Tensor") -> "TrainBatch":
         """A mini- or micro-batch: the same fields for rows `rows`, a slice or a tensor of row

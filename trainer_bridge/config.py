@@ -32,6 +32,39 @@ def callable_problem(name: str, spec: str, builtin: tuple = ()) -> str | None:
     return None
 
 
+class Choice(str, enum.Enum):
+    """A setting with a fixed set of values: members named as their values (Hydra takes an enum field by
+    member name), printed as the value (in f-strings, command lines and config.yaml), equal to it."""
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class KvLayout(Choice):
+    auto = "auto"
+    paged = "paged"
+    contiguous = "contiguous"
+
+
+class Engine(Choice):
+    riptide = "riptide"
+    vllm = "vllm"
+
+
+class ClusterKind(Choice):
+    local = "local"
+    ray = "ray"
+
+
+def coerce(obj, section: str, name: str, kind: type[Choice]) -> str | None:
+    """Turn `obj.name` (a member or its value, as the attach API may pass) into a `kind` member; the
+    problem, named, when it is none of them."""
+    try:
+        setattr(obj, name, kind(getattr(obj, name)))
+    except ValueError:
+        return f"{section}.{name}={getattr(obj, name)!r}: use {' | '.join(m.value for m in kind)}"
+    return None
+
+
 def f(default, help: str, **kw):
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
@@ -178,12 +211,12 @@ class ServerConfig:
     kv_cache_gb: float = f(0.0, "KV cache memory of each server (0: on a CPU, the server's share of the host memory "
                                 "the job leaves free, planned before start (trainer_bridge/memory.py); on an "
                                 "accelerator, 85% of its free memory after the weights)")
-    kv_layout: str = f("auto", "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
+    kv_layout: KvLayout = f(KvLayout.auto, "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
                                "(blocks by tokens held) | contiguous (a full-context slot a sequence)")
     api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
                          "the job starts servers off loopback); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
-    engine: str = f("riptide", "riptide (the embedded server) | vllm (stock `vllm serve` with Riptide's weight-transfer "
+    engine: Engine = f(Engine.riptide, "riptide (the embedded server) | vllm (stock `vllm serve` with Riptide's weight-transfer "
                                "plugin and middleware; make setup-vllm installs it)")
     vllm_python: str = f("", "engine=vllm: an interpreter with vLLM and riptide installed (default: this one when it "
                              "imports vllm, else .venv-vllm/bin/python)")
@@ -195,19 +228,17 @@ class ServerConfig:
 
     def problems(self) -> list[str]:
         open_urls = [u for u in self.urls if not is_loopback(urlsplit(str(u)).hostname or "")]
-        return failed([
+        wrong = [coerce(self, "server", "kv_layout", KvLayout), coerce(self, "server", "engine", Engine)]
+        return [w for w in wrong if w] + failed([
             (not open_urls or bool(self.token()),
              f"server.urls={open_urls} are not on loopback and no token is set: every endpoint but /health of a "
              f"server off loopback needs one; give server.api_key or set {API_KEY_ENV}"),
             (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.kv_cache_gb >= 0, f"server.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0: the device's default)"),
-            (self.kv_layout in ("auto", "paged", "contiguous"),
-             f"server.kv_layout={self.kv_layout!r}: use auto, paged or contiguous"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
             (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0"),
-            (self.engine in ("riptide", "vllm"), f"server.engine={self.engine!r}: use riptide or vllm"),
             (self.engine != "vllm" or bool(self.urls) or self.vllm_interpreter() is not None,
              f"server.engine=vllm: no interpreter with vLLM (server.vllm_python={self.vllm_python!r}, this one has no "
              f"vllm, no .venv-vllm/bin/python): run make setup-vllm, or give server.vllm_python")])
@@ -235,7 +266,6 @@ class WeightSyncConfig:
     bucket_mb: int = f(64, "bucket size in MiB")
     num_slots: int = f(2, "staging slots per receiver (pipeline depth)")
     timeout_s: float = f(60.0, "per-hop timeout; a receiver slower than this is named and dropped")
-    inflight: str = f("continue", "running requests at a new version: continue on the new weights, or abort")
     topology: str = f("tree", "star (the trainer writes to every server) | chain | tree (servers relay: "
                               "the trainer writes each byte once)")
     fan_out: int = f(0, "tree: servers each one relays to; 0 chooses per push (a chain until the fleet is deep "
@@ -257,7 +287,6 @@ class WeightSyncConfig:
 
     def problems(self) -> list[str]:
         out = failed([
-            (self.inflight in ("continue", "abort"), f"weight_sync.inflight={self.inflight!r}: use 'continue' or 'abort'"),
             (self.bucket_mb >= 1, f"weight_sync.bucket_mb={self.bucket_mb}: must be >= 1"),
             (0.0 <= self.min_fraction <= 1.0, f"weight_sync.min_fraction={self.min_fraction}: must be in [0, 1]"),
             (self.timeout_s > 0, f"weight_sync.timeout_s={self.timeout_s}: must be > 0")])
@@ -273,7 +302,7 @@ class WeightSyncConfig:
 
 @dataclass
 class ClusterConfig:
-    kind: str = f("local", "local (servers and the rollout manager as subprocesses) | ray (Ray actors)")
+    kind: ClusterKind = f(ClusterKind.local, "local (servers and the rollout manager as subprocesses) | ray (Ray actors)")
     address: str = f("", "ray: the cluster to join (ray://host:10001 or host:6379; '' starts one on this machine)")
     server_cpus: float = f(1.0, "ray: CPUs in each server's placement group")
     tensor_parallel: int = f(1, "ray: accelerators (GPU / NPU) in each server's placement group")
@@ -284,8 +313,8 @@ class ClusterConfig:
     replace_evicted: bool = f(True, "start a replacement for each server evicted from the fleet")
 
     def problems(self) -> list[str]:
-        return failed([
-            (self.kind in ("local", "ray"), f"cluster.kind={self.kind!r}: use local or ray (cluster=local | cluster=ray)"),
+        wrong = coerce(self, "cluster", "kind", ClusterKind)
+        return ([wrong] if wrong else []) + failed([
             (self.server_cpus > 0, f"cluster.server_cpus={self.server_cpus}: must be > 0"),
             (self.trainer_cpus > 0, f"cluster.trainer_cpus={self.trainer_cpus}: must be > 0"),
             (self.tensor_parallel >= 1, f"cluster.tensor_parallel={self.tensor_parallel}: must be >= 1"),
@@ -295,15 +324,12 @@ class ClusterConfig:
         raise_problems(self.problems())
 
 
-class OffPolicy(str, enum.Enum):
+class OffPolicy(Choice):
     """How the GRPO loss treats tokens sampled by older weights than the trainer's
     (trainer_bridge/training/grpo.py, module docstring; docs/configuration.md, "Off-policy correction")."""
     behaviour_clip = "behaviour_clip"   # the default: PPO's clip centred on the behaviour policy
     decoupled = "decoupled"             # AReaL's decoupled PPO: clip on the proximal, truncated IS weight
     icepop = "icepop"                   # decoupled, tokens whose IS weight is out of band masked
-
-
-OFF_POLICIES = tuple(m.value for m in OffPolicy)
 
 
 SCRATCH_LR = 1e-3       # a tiny random model taught from scratch (bench/stability.py: 3e-3 collapsed entropy)
@@ -349,7 +375,7 @@ class TrainerConfig:
     normalize_std: bool = f(True, "divide group advantages by the group's reward std")
     tis_cap: float = f(2.0, "truncated importance sampling cap between trainer and server logprobs (0: off, "
                             "the behaviour logprobs unused); behaviour_clip: the dual clip for A < 0")
-    off_policy: str = f("behaviour_clip", "behaviour_clip | decoupled | icepop: how the loss corrects tokens sampled "
+    off_policy: OffPolicy = f(OffPolicy.behaviour_clip, "behaviour_clip | decoupled | icepop: how the loss corrects tokens sampled "
                                           "by older weights (docs/configuration.md, 'Off-policy correction')")
     is_band_low: float = f(0.5, "icepop: tokens whose proximal/behaviour ratio is below this (or above tis_cap) "
                                 "leave the loss")
@@ -376,7 +402,8 @@ class TrainerConfig:
     val_samples: int = f(4, "validation: samples a prompt at the rollout temperature, for val/reward_mean@n (0: greedy only)")
 
     def problems(self) -> list[str]:
-        return failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
+        wrong = coerce(self, "trainer", "off_policy", OffPolicy)
+        return ([wrong] if wrong else []) + failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
                   (self.val_every >= 0, f"trainer.val_every={self.val_every}: must be >= 0 (0: off)"),
                   (self.val_samples >= 0, f"trainer.val_samples={self.val_samples}: must be >= 0"),
                   (self.world_size >= 1, f"trainer.world_size={self.world_size}: must be >= 1"),
@@ -404,8 +431,6 @@ class TrainerConfig:
                   (self.grad_clip >= 0, f"trainer.grad_clip={self.grad_clip}: must be >= 0 (0: off)"),
                   (self.tis_cap >= 0, f"trainer.tis_cap={self.tis_cap}: must be >= 0 (0: off)"),
                   (self.tis_cap == 0 or self.tis_cap > 1, f"trainer.tis_cap={self.tis_cap}: must be > 1 (or 0: off)"),
-                  (self.off_policy in OFF_POLICIES,
-                   f"trainer.off_policy={self.off_policy!r}: use {' | '.join(OFF_POLICIES)}"),
                   (0 <= self.is_band_low < 1, f"trainer.is_band_low={self.is_band_low}: must be in [0, 1)"),
                   (self.kl_coef >= 0, f"trainer.kl_coef={self.kl_coef}: must be >= 0"),
                   (0 <= self.clip_low < 1, f"trainer.clip_low={self.clip_low}: must be in [0, 1)"),

@@ -9,6 +9,7 @@ Mooncake, the rollout loop) stops on exit, Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import difflib
+import enum
 import json
 import logging
 import os
@@ -47,6 +48,9 @@ def value_problem(key: str, value: str, default) -> str | None:
     if value.startswith(("${", "null")) or value in ("", "''", '""'):
         return None
     kind = type(default)
+    if isinstance(default, enum.Enum):
+        names = [m.name for m in kind]
+        return None if value in names else f"{key}={value!r}: use {' | '.join(names)}"
     try:
         if kind is bool:
             if value.lower() not in _BOOLS:

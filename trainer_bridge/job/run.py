@@ -15,6 +15,7 @@ import torch
 
 from rollout.agent import get_rollout_fn
 from rollout.config import UpdatePolicy
+from rollout.metrics import BatchMetrics
 from trainer_bridge.backend import PushInFlight, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
@@ -70,21 +71,21 @@ def sync_mode(job: JobConfig) -> JobConfig:
 
 
 def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
-    r = batch.metrics
+    r: BatchMetrics = batch.metrics
     rewards = batch.rewards
     lengths = [len(s.response_ids) for s in batch.samples]
     # reward/mean and reward/accuracy: every group the rollout scored since the last step, the ones
     # the filter dropped included (with all_equal, a prompt the policy solves leaves the trained
     # batch, whose reward then says little of how well the policy does); reward/trained_*: the batch
-    out = {"reward/mean": r["scored_reward_mean"], "reward/accuracy": r["scored_accuracy"],
+    out = {"reward/mean": r.scored_reward_mean, "reward/accuracy": r.scored_accuracy,
            "reward/trained_mean": float(rewards.mean()), "reward/std": float(rewards.std()),
            "reward/trained_accuracy": float((rewards >= 0.999).float().mean()),
            "response/length_mean": sum(lengths) / len(lengths),
-           "rollout/tokens_per_s": r["tokens_per_s"], "rollout/samples_per_s": r["samples_per_s"],
-           "rollout/inflight": r["inflight"], "rollout/tokens_aborted": r["tokens_aborted"],
-           "rollout/tokens_resumed": r["tokens_resumed"], "rollout/tokens_wasted": r["tokens_wasted"],
-           "rollout/retries": r["retries"], "rollout/staleness_max": r["staleness_max"],
-           "rollout/policy_aborts": r["policy_aborts"], "rollout/policy_held": r["policy_held"],
+           "rollout/tokens_per_s": r.tokens_per_s, "rollout/samples_per_s": r.samples_per_s,
+           "rollout/inflight": r.inflight, "rollout/tokens_aborted": r.tokens_aborted,
+           "rollout/tokens_resumed": r.tokens_resumed, "rollout/tokens_wasted": r.tokens_wasted,
+           "rollout/retries": r.retries, "rollout/staleness_max": r.staleness_max,
+           "rollout/policy_aborts": r.policy_aborts, "rollout/policy_held": r.policy_held,
            "time/wait_for_data_s": seconds["wait"], "time/train_s": seconds["train"],
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
@@ -92,13 +93,13 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "sync/delta_servers": sum(m == "delta" for m in sync.modes.values()),
            **({"sync/changed_fraction": sync.changed_fraction} if sync.changed_fraction is not None else {}),
            **{f"sync/egress_bytes/rank{r}": b for r, b in enumerate(sync.egress_by_rank or [])},
-           "staleness_max": r["staleness_max"], "staleness_hist": r["staleness_hist"], "drops": r["drops"],
-           **({"reward/overlong_penalty": r["overlong_penalty_mean"]} if "overlong_penalty_mean" in r else {}),
-           "length/bias": r["length_bias"], "length/generated_mean": r["generated_mean_len"],
-           "length/trained_mean": r["trained_mean_len"],
-           **{f"length/{b}/{k}": v for b, row in r["by_length"].items() for k, v in row.items()},
-           **{k: v for k, v in r.items() if k.startswith("fleet/")},
-           **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r["tokens_per_s_by_server"].items()}}
+           "staleness_max": r.staleness_max, "staleness_hist": r.staleness_hist, "drops": r.drops,
+           **({"reward/overlong_penalty": r.overlong_penalty_mean} if r.overlong_penalty_mean is not None else {}),
+           "length/bias": r.length_bias, "length/generated_mean": r.generated_mean_len,
+           "length/trained_mean": r.trained_mean_len,
+           **{f"length/{b}/{k}": v for b, row in r.by_length.items() for k, v in row.items()},
+           **r.fleet,
+           **{f"fleet/tokens_per_s/{url.split('//')[-1]}": v for url, v in r.tokens_per_s_by_server.items()}}
     out.update({k if k.startswith("rollout_corr/") else f"train/{k}": v for k, v in train.items()})
     return out
 
