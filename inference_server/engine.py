@@ -285,10 +285,8 @@ class Engine:
         if not shared:
             return decode, prefill
         rest = [p for p in prefill if p not in shared]
-        b = len(decode)
-        self.scheduler.running[b:] = shared + rest
-        for slot, seq in enumerate(self.scheduler.running[b:], start=b):
-            seq.slot = slot
+        b, at = len(decode), {id(s): i for i, s in enumerate(self.scheduler.running)}
+        self.scheduler.reorder(list(range(b)) + [at[id(s)] for s in shared + rest])   # newcomers hold no KV yet
         for p in shared:
             self._kv_runner.share(donors[tuple(p.prompt_ids)], p, len(p.prompt_ids) - 1)
             p.prefill_version = self.version

@@ -50,7 +50,7 @@ class RolloutManager:
         self.on_drop = on_drop                       # called with every group dropped, and why
         self.router, self.data, self.tokenizer = router, data, tokenizer
         self._chat = cfg.chat_template(tokenizer)
-        router.progress_timeout_s = cfg.progress_timeout_s
+        router.watch_progress(cfg.progress_timeout_s)
         self.reward_fn, self.rollout_fn, self.group_filter = reward_fn, rollout_fn, group_filter
         self.trainer_version = 0
         self.consumed_groups = 0

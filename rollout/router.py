@@ -42,6 +42,11 @@ class Router:
         self._evicted_why: dict[str, str] = {}
         self._seen: dict[str, tuple[float, float, float]] = {}    # url -> (steps, cpu_s, when they last moved)
 
+    def watch_progress(self, timeout_s: float) -> None:
+        """The manager's rollout.progress_timeout_s: how long a server with requests in flight may show
+        no progress before it is marked down."""
+        self.progress_timeout_s = timeout_s
+
     def pick(self, sticky: ServerClient | None = None) -> ServerClient:
         if sticky is not None and sticky in self.clients and sticky.url not in self.down:
             return sticky
