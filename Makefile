@@ -2,7 +2,7 @@
 PY      := .venv/bin/python
 PIP     := .venv/bin/pip
 STAMP   := .venv/.riptide-setup
-EXTRAS  ?= dev,cpu
+EXTRAS  ?= dev,cpu,lora
 TORCH_CPU_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=

@@ -42,7 +42,7 @@ from rollout.config import RolloutConfig, UpdatePolicy
 from rollout.data import prompt_ids
 from rollout.service import RolloutHost, RolloutSpec
 from rollout.tasks import DIGIT_TASKS, dataset_items, digit_items, held_out, reasoning_gym_items
-from trainer_bridge.training import grpo
+from trainer_bridge.training import grpo, lora
 from trainer_bridge.batch import Batch, TrainBatch
 from trainer_bridge.config import (BackendConfig, ClusterConfig, JobConfig, ServerConfig, TaskConfig, WeightSyncConfig,
                                    model_context)
@@ -301,6 +301,8 @@ class RolloutBackend:
         from weight_sync.sender import CommitIncomplete
         try:
             inflight = at_commit(self.cfg.rollout.update_policy)
+            if lora.is_adapted(model):       # a peft model: the weights it computes with, by the base's names
+                model = lora.merged_weights(model)
             if sharded.is_sharded(model):    # FSDP2: rank 0 here; every other rank calls push_sharded(model, version)
                 return sharded.push_sharded(model, version, self.sync, inflight=inflight)
             return self.sync.push(model, version, inflight=inflight)

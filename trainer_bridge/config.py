@@ -343,6 +343,28 @@ def auto_lr(from_scratch: bool) -> float:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = f(0, "LoRA adapter rank (0: off, every weight trains); > 0: the base frozen, an adapter of this rank "
+                     "on target_modules trained (peft, the lora extra)")
+    alpha: float = f(32.0, "LoRA alpha: the adapter's update is B @ A * alpha / rank")
+    dropout: float = f(0.0, "dropout on the adapter's input in training")
+    target_modules: list = f([], "peft's module names to adapt; []: the attention and MLP projections of the "
+                                 "model's architecture (llama, qwen2, mistral: q/k/v/o, gate/up/down)")
+
+    def problems(self) -> list[str]:
+        out = failed([(self.rank >= 0, f"trainer.lora.rank={self.rank}: must be >= 0 (0: off)"),
+                      (self.alpha > 0, f"trainer.lora.alpha={self.alpha}: must be > 0"),
+                      (0 <= self.dropout < 1, f"trainer.lora.dropout={self.dropout}: must be in [0, 1)")])
+        if self.rank > 0:
+            try:
+                import peft  # noqa: F401
+            except ImportError:
+                out.append(f"trainer.lora.rank={self.rank}: needs peft, which is not installed: "
+                           f"pip install 'riptide[lora]' (make setup installs it)")
+        return out
+
+
+@dataclass
 class TrainerConfig:
     steps: int = f(150, "training steps (one rollout batch and one optimizer step each)")
     lr: float = f(0.0, "AdamW learning rate (the peak, with a schedule); 0: auto, 1e-3 for a model built from scratch "
@@ -400,10 +422,18 @@ class TrainerConfig:
                            "(0: off)")
     val_before_train: bool = f(True, "validate once before the first step too (with val_every > 0)")
     val_samples: int = f(4, "validation: samples a prompt at the rollout temperature, for val/reward_mean@n (0: greedy only)")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapter training (rank 0: off)"})
 
     def problems(self) -> list[str]:
         wrong = coerce(self, "trainer", "off_policy", OffPolicy)
-        return ([wrong] if wrong else []) + failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
+        lora = self.lora.problems() + failed([
+            (not self.lora.rank or self.world_size == 1,
+             f"trainer.lora.rank={self.lora.rank} with trainer.world_size={self.world_size}: adapters train on one "
+             f"trainer process for now; set world_size=1 or lora.rank=0"),
+            (not self.lora.rank or not self.resume,
+             f"trainer.lora.rank={self.lora.rank} with trainer.resume={self.resume!r}: resuming an adapter run is not "
+             f"built yet (its checkpoints hold the adapter and the merged weights); start fresh")])
+        return ([wrong] if wrong else []) + lora + failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
                   (self.val_every >= 0, f"trainer.val_every={self.val_every}: must be >= 0 (0: off)"),
                   (self.val_samples >= 0, f"trainer.val_samples={self.val_samples}: must be >= 0"),
                   (self.world_size >= 1, f"trainer.world_size={self.world_size}: must be >= 1"),

@@ -20,6 +20,7 @@ from trainer_bridge.backend import PushInFlight, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
 from trainer_bridge.job.monitor import Monitor
+from trainer_bridge.training import lora
 from trainer_bridge.training.ranks import Lead, follow, trainer_ranks
 from trainer_bridge.training.trainer import GRPOTrainer
 
@@ -184,6 +185,10 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         job, run_dir, resume = dataclasses.replace(job, run_dir=box[0]), Path(box[0]), box[1]
     start_from = str(resume or Path(job.model.path))
     model, from_rank0 = load_model(start_from, lead)
+    if job.trainer.lora.rank:
+        lc = job.trainer.lora
+        model = lora.with_adapters(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules)
+        log.info("LoRA rank %d: %.2f%% of the parameters train", lc.rank, 100 * lora.adapter_share(model))
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)     # sharded on k ranks
     if from_rank0:
         trainer.load_weights_from_rank0(start_from)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from platforms import platform_of, rank_device
-from trainer_bridge.training import grpo, lm_head, packing
+from trainer_bridge.training import grpo, lm_head, lora, packing
 from trainer_bridge.training.agreement import Agreement
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import TrainerConfig, auto_lr
@@ -102,7 +102,9 @@ class GRPOTrainer:
         self.temperature = temperature if temperature > 0 else 1.0
         # Fused AdamW where torch has it (CPU and CUDA): one kernel over every parameter; on CPU it
         # took 7 ms a step against 32 ms for the per-tensor loop (6.5M parameters, one thread).
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+        # only what trains: with LoRA adapters (training/lora.py) the frozen base has no optimizer state
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                           betas=tuple(cfg.betas),
                                            weight_decay=cfg.weight_decay,
                                            fused=True if platform_of(self.device).fused_adamw else None)
         self.step_count = 0
@@ -375,7 +377,12 @@ class GRPOTrainer:
         state = {"step": step, "world_size": self.world,
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         directory.mkdir(parents=True, exist_ok=True)
-        if self.world == 1:
+        if self.world == 1 and lora.is_adapted(self.model):
+            # the merged weights as a Hugging Face folder (what a server or a fresh run loads), the adapter apart
+            self.model.get_base_model().save_pretrained(directory, state_dict=lora.merged_weights(self.model))
+            self.model.save_pretrained(directory / "adapter")
+            state["optimizer"] = self.optimizer.state_dict()
+        elif self.world == 1:
             self.model.save_pretrained(directory)
             state["optimizer"] = self.optimizer.state_dict()
         elif self._all_see(directory):

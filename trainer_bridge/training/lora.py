@@ -1,0 +1,71 @@
+"""LoRA adapters for the built-in trainer (`trainer.lora.rank` > 0), with peft: the base model frozen,
+an adapter of rank r on the target projections trained, and the servers fed the weights the adapted
+model computes with (`merged_weights`: base + B @ A * alpha / r, by the base's checkpoint names), so a
+server serves what the trainer trains without knowing of adapters.
+
+peft is the `lora` extra (`pip install riptide[lora]`; `make setup` installs it)."""
+from __future__ import annotations
+
+import torch
+
+# peft's names of the attention and MLP projections, by model_type (config.json)
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEFAULT_TARGETS = {"llama": PROJECTIONS, "qwen2": PROJECTIONS, "qwen3": PROJECTIONS, "mistral": PROJECTIONS,
+                   "gemma": PROJECTIONS, "gemma2": PROJECTIONS, "phi3": ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"],
+                   "gpt2": ["c_attn", "c_proj", "c_fc"]}
+
+
+def is_adapted(model) -> bool:
+    """Whether `model` is a peft model (its weights live under base_model, with adapters beside)."""
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def target_modules(model: torch.nn.Module, given: list) -> list[str]:
+    """The module names to adapt: the ones given, else the projections of the model's architecture,
+    else every Linear but the output head."""
+    if given:
+        return list(given)
+    kind = getattr(getattr(model, "config", None), "model_type", "")
+    if kind in DEFAULT_TARGETS:
+        return DEFAULT_TARGETS[kind]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and m is not head})
+
+
+def with_adapters(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: list):
+    """`model` with a fresh LoRA adapter (B = 0: it computes what `model` does until trained); only
+    the adapter's parameters require gradients."""
+    import peft
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, bias="none",
+                             target_modules=target_modules(model, targets), task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+@torch.no_grad()
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """The adapted model's weights by the base checkpoint's names: each adapted layer's base weight
+    plus its adapters' B @ A * scale (computed apart, so the trainer's weights are left as they are:
+    a merge and unmerge in place would move them by rounding), every other parameter as it is."""
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    out: dict[str, torch.Tensor] = {}
+    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, layer in adapted.items():
+        weight = layer.base_layer.weight.detach()
+        delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A),
+                    torch.zeros_like(weight))
+        out[f"{name}.weight"] = weight + delta.to(weight.dtype)
+        if getattr(layer.base_layer, "bias", None) is not None:
+            out[f"{name}.bias"] = layer.base_layer.bias.detach()
+    for name, p in base.named_parameters():
+        if "lora_" in name or ".base_layer." in name:
+            continue
+        out[name] = p.detach()
+    return out
+
+
+def adapter_share(model) -> float:
+    """The adapter's parameters as a share of the whole model's."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable / max(1, sum(p.numel() for p in model.parameters()))
