@@ -17,8 +17,9 @@ import uvicorn
 from inference_server import weights
 from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app
-from inference_server.process import API_KEY_ENV, is_loopback, watch_parent
+from inference_server.process import API_KEY_ENV
 from platforms import platform_of
+from platforms.process import is_loopback, watch_parent
 from weight_sync import live_digest, routes
 from weight_sync.audit import AuditLog
 from weight_sync.clients import receiver_status

@@ -285,7 +285,7 @@ SERVING_PATHS = ("/health", "/health_generate", "/get_weight_version", "/weight_
 async def _side_url(app) -> str:
     """Start the worker's weight-sync endpoints on first use (vLLM's /init_weight_transfer_engine,
     as a trainer would call it) and label the loaded checkpoint with its version."""
-    from inference_server.process import free_port
+    from platforms.process import free_port
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
     async with _routes.lock:
         if _routes.side is None:
