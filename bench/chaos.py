@@ -5,9 +5,9 @@
 The job (task copy, the tiny model, 2 servers, async, `weight_sync.audit=true`) runs to its last
 step while faults land on it: servers SIGKILLed or SIGSTOPped and woken up to 2.5x past the
 timeouts, the trainer SIGKILLed right after a push began or SIGTERMed, the rollout process
-SIGKILLed, a byte of a bucket write corrupted (trainer_bridge/job/chaos.py has the fault model).
+SIGKILLed, a byte of a bucket write corrupted (riptide_testing/chaos.py has the fault model).
 Whatever ends the job, it is started again with `trainer.resume=auto`. Afterwards the auditor
-(trainer_bridge/job/audit.py) reads what the job left: every prompt drawn trained exactly once,
+(riptide_testing/audit.py) reads what the job left: every prompt drawn trained exactly once,
 dropped with a reason or held in the last checkpoint; every version a server served pushed by the
 trainer with the trainer's digest; every trained token's version served by its server while its
 request ran; the steps completed; the reward's first and last fifth.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer_bridge.job.chaos import KINDS, Soak, SoakConfig  # noqa: E402
+from riptide_testing.chaos import KINDS, Soak, SoakConfig  # noqa: E402
 
 
 def main() -> None:

@@ -108,7 +108,7 @@ def rank_main(a) -> None:
 
 
 def run_ranks(mode: str, model: Path, url: str, first_version: int, args, scratch: Path) -> list[dict]:
-    from inference_server.process import free_port
+    from platforms.process import free_port
     out = scratch / f"{mode}.json"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -114,7 +114,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from inference_server.process import free_port
+    from platforms.process import free_port
     from inference_server.tiny_model import build_tiny_model
     from inference_server.vllm_plugin import checkpoint_weights
     from weight_sync import live_digest

@@ -128,7 +128,8 @@ def vllm_server(python: Path, model: Path, concurrency: int, log_path: Path, bin
                 dtype: str = "float32"):
     import httpx
 
-    from inference_server.process import free_port, vllm_env
+    from inference_server.process import vllm_env
+    from platforms.process import free_port
     port = free_port()
     # vLLM as its CPU guide sets it up (threads bound to `bind`: its default, auto, keeps one core for
     # its scheduler process, so on 2 cores the model gets one), 4 GB of KV space; logging and

@@ -29,8 +29,8 @@ from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, Co
                                         UpdateWeightsFromDiskReqInput, dumps, parse_version)
 from inference_server.metrics import metrics_text
 from inference_server.openai_api import chat_completion, completion, models
-from inference_server.process import is_loopback
 from inference_server.sequence import Finish, SamplingParams, Sequence
+from platforms.process import is_loopback
 
 log = logging.getLogger(__name__)
 class _Gate:

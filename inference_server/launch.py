@@ -17,13 +17,15 @@ import uvicorn
 from inference_server import weights
 from inference_server.engine import Engine, EngineArgs, PauseMode
 from inference_server.http_server import create_app
-from inference_server.process import API_KEY_ENV, is_loopback, watch_parent
+from inference_server.process import API_KEY_ENV
 from platforms import platform_of
+from platforms.process import is_loopback, watch_parent
 from weight_sync import live_digest, routes
 from weight_sync.audit import AuditLog
 from weight_sync.clients import receiver_status
 from weight_sync.receiver import Receiver
-from weight_sync.transports.mooncake import MooncakeTransport, leave_engines_to_exit
+from weight_sync.transports import Transport
+from weight_sync.transports.mooncake import leave_engines_to_exit, open_mooncake
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -150,9 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(a)
     except ValueError as e:
         raise SystemExit(f"riptide-serve: {e}") from None
-    def make_transport() -> MooncakeTransport:
+    def make_transport() -> Transport:
         platform.before_transport(engine.device)
-        return MooncakeTransport(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)
+        return open_mooncake(a.weight_sync_host or a.host, mooncake.protocol, mooncake.device_name)
     self_url = f"http://{a.host}:{a.port}"
     commit_log = None
     if a.commit_log:     # a directory: a file of this server's own there

@@ -1,17 +1,15 @@
-"""Start and stop server subprocesses on free loopback ports (tests, benches, launches)."""
+"""Start and stop server subprocesses on free loopback ports (tests, benches, launches): Riptide's
+server and a stock vLLM one. What is not about a server (ports, process groups) is platforms/process.py."""
 from __future__ import annotations
 
-import ipaddress
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from platforms.process import ChildProcess, free_port
 
 
 def cpu_share_args(num_servers: int) -> list[str]:
@@ -32,37 +30,7 @@ def cpu_share_args(num_servers: int) -> list[str]:
 API_KEY_ENV = "RIPTIDE_API_KEY"        # how a server gets its bearer token: never on a command line
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def watch_parent(pid: int) -> None:
-    """Die at once when the process that launched this one is gone (its node lost, or killed):
-    a process nobody manages must not go on (a server must not serve, not even the
-    requests it holds; a trainer rank must not hold its peers' collectives)."""
-    def run():
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGKILL)
-                return
-    threading.Thread(target=run, name="parent-watch", daemon=True).start()
-
-
-class ServerProcess:
+class ServerProcess(ChildProcess):
     """`python -m inference_server ...` as a child process; a context manager that always stops it."""
 
     def __init__(self, model_path: str | Path, port: int | None = None, host: str = "127.0.0.1",
@@ -70,13 +38,11 @@ class ServerProcess:
                  api_key: str | None = None):
         """`api_key` reaches the server through its environment (API_KEY_ENV), never its
         command line, which any user of the machine can read."""
+        super().__init__(log_path)
         self.model_path, self.host = str(model_path), host
         self.port = port or free_port(host)
         self.args = list(args or [])
-        self.log_path = log_path
         self.env = {**(env or {}), **({API_KEY_ENV: api_key} if api_key else {})}
-        self.proc: subprocess.Popen | None = None
-        self._log = None
 
     @property
     def url(self) -> str:
@@ -92,9 +58,7 @@ class ServerProcess:
         together load their models side by side."""
         cmd = [sys.executable, "-m", "inference_server", "--model-path", self.model_path,
                "--host", self.host, "--port", str(self.port), "--parent-pid", str(os.getpid()), *self.args]
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+        self.popen(cmd, {**os.environ, **self.env})
         return self
 
     def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:
@@ -114,26 +78,6 @@ class ServerProcess:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"server on port {self.port} not ready after {timeout:.0f}s")
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            os.killpg(self.proc.pid, signal.SIGCONT)     # a frozen server must wake to see the SIGTERM
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
-            self._log = None
-
-    def kill(self) -> None:
-        """Kill it at once, frozen or not: a server taken out of a fleet must never serve again."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-        self.stop()
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
@@ -186,9 +130,7 @@ class VllmProcess(ServerProcess):
                "--model", self.model_path, "--host", self.host, "--port", str(self.port),
                "--weight-transfer-config", VLLM_BACKEND, "--middleware", "inference_server.vllm_plugin.riptide_routes",
                "--enable-scale-out", "--disable-log-stats", *self.flags, *self.args]
-        self._log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**vllm_env(self.python), **self.env}, start_new_session=True)
+        self.popen(cmd, {**vllm_env(self.python), **self.env})
         return self
 
     def wait_ready(self, timeout: float, cold_ok: bool = False) -> None:

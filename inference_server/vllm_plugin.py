@@ -203,7 +203,7 @@ class RiptideTransferEngine(_Base):
         import uvicorn
 
         from weight_sync.receiver import Receiver
-        from weight_sync.transports.mooncake import MooncakeTransport
+        from weight_sync.transports.mooncake import open_mooncake
         if self.receiver is not None:
             raise RuntimeError("the riptide transfer engine is already initialised")
         api_url = init_info.api_url or f"http://127.0.0.1:{self._api_port()}"
@@ -213,8 +213,8 @@ class RiptideTransferEngine(_Base):
         # without weights it serves no version (-1, as the embedded server's cold start)
         port = VllmPort(self, live, api_url, init_info.api_key, -1 if cold else init_info.version)
         port.has_weights = not cold
-        self.receiver = Receiver(port, lambda: MooncakeTransport(init_info.mooncake_host or init_info.host,
-                                                                 init_info.protocol, init_info.device_name))
+        self.receiver = Receiver(port, lambda: open_mooncake(init_info.mooncake_host or init_info.host,
+                                                             init_info.protocol, init_info.device_name))
         config = uvicorn.Config(_side_app(self.receiver, init_info.api_key), host=init_info.host,
                                 port=init_info.port, log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
@@ -285,7 +285,7 @@ SERVING_PATHS = ("/health", "/health_generate", "/get_weight_version", "/weight_
 async def _side_url(app) -> str:
     """Start the worker's weight-sync endpoints on first use (vLLM's /init_weight_transfer_engine,
     as a trainer would call it) and label the loaded checkpoint with its version."""
-    from inference_server.process import free_port
+    from platforms.process import free_port
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
     async with _routes.lock:
         if _routes.side is None:

@@ -3,7 +3,8 @@
 The flow: produce groups (oversampling: `groups_in_progress` running or ready at once, and no more
 than staleness capacity allows) -> run each sample through the rollout function -> filter the
 finished group -> hand out `batch_size` ready groups to the trainer. Requests (slots, failover,
-aborts) live in `requests.py`, every staleness decision in `staleness.py`.
+aborts) live in `requests.py`, every staleness decision in `staleness.py`, what becomes of a finished
+group (ready, run again or dropped, and the bookkeeping) in `outcomes.py`.
 
 `stale_policy` says what happens to a group past the bound: dropped, regenerated, kept (its too-old
 tokens masked), or, with `wait`, it never gets there: batches take the oldest groups first and wait
@@ -33,6 +34,7 @@ from rollout.context import RolloutContext
 from rollout.data import PromptSource, prompt_ids
 from rollout.filters import GroupFilter, all_equal
 from rollout.metrics import BatchReport, RolloutMetrics
+from rollout.outcomes import GroupOutcomes
 from rollout.requests import Requests, RolloutStopped
 from rollout.rewards import RewardFn
 from rollout.router import NoServerAvailable, Router
@@ -42,7 +44,7 @@ from rollout.types import DropReason, Group, Sample, SampleStatus
 log = logging.getLogger(__name__)
 
 
-class RolloutManager:
+class RolloutManager(GroupOutcomes):
     def __init__(self, cfg: RolloutConfig, router: Router, data: PromptSource, tokenizer, reward_fn: RewardFn,
                  rollout_fn: RolloutFn = single_turn, group_filter: GroupFilter = all_equal,
                  on_drop: Callable[[Group, "DropReason | str"], None] | None = None):
@@ -181,61 +183,6 @@ class RolloutManager:
         sample.status = SampleStatus.PARTIAL if sample.response_ids else SampleStatus.PENDING
         self._notify()
         raise RolloutStopped() from error
-
-    def _filter(self, group: Group) -> None:
-        self.metrics.scored(group.rewards)
-        reason = self.group_filter(group)
-        if reason is not None:
-            # Like verl's max_num_gen_batches: a converged model makes most groups all-equal;
-            # past the patience, keep them (zero advantage) rather than starve the trainer.
-            patience = self.cfg.filter_patience
-            if not (patience and self._filtered >= patience):
-                self._filtered += 1
-                self._drop(group, reason)
-                return
-            self.metrics.kept_past_patience += 1
-        self._failed_streak = 0
-        self.ready.append(group)
-
-    def _group_failed(self, group: Group) -> None:
-        """Its prompt runs again, up to max_group_retries times; past max_failed_groups failures in a
-        row the manager stops with the error, keeping the group for a resume."""
-        error = next(s.error for s in group.samples if s.status is SampleStatus.FAILED)
-        self.metrics.groups_failed += 1
-        self.metrics.last_error = error
-        self._failed_streak += 1
-        log.warning("group %s failed (%d in a row): %s", group.group_id, self._failed_streak, error)
-        if self._failed_streak >= self.cfg.max_failed_groups and self.fatal is None:
-            self.fatal = RuntimeError(f"{self._failed_streak} groups in a row failed and none succeeded "
-                                      f"(rollout.max_failed_groups); the last failed with: {error}")
-            log.error("rollout stopped: %s", self.fatal)
-        if group.retries >= self.cfg.max_group_retries and self.fatal is None:
-            self._drop(group, DropReason.FAILED)
-            return
-        group.retries += 1
-        self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
-        for s in group.samples:
-            self.metrics.lengths.dropped(s, "failed")
-            s.reset()
-            s.num_retries = 0
-        self.resume.append(group)
-
-    def _drop(self, group: Group, reason: DropReason | str) -> None:
-        if self.on_drop is not None:
-            self.on_drop(group, reason)
-        self.metrics.drops[getattr(reason, "value", reason)] += 1
-        self.metrics.tokens_wasted += sum(s.num_generated for s in group.samples)
-        kind = {DropReason.STALE: "stale", DropReason.FAILED: "failed"}.get(reason, "filtered")
-        for s in group.samples:
-            self.metrics.lengths.dropped(s, kind)
-        if reason is DropReason.STALE:
-            self.metrics.stale_dropped += len(group.samples)
-            if self.staleness.regenerates:
-                for s in group.samples:
-                    s.reset()
-                self.resume.append(group)
-                return
-        self.dropped.append(f"{group.group_id}:{getattr(reason, 'value', reason)}")
 
     def admit(self, sample: Sample) -> None:
         """Before every request of a trajectory: the manager still runs, and the sample's group

@@ -11,9 +11,8 @@ import signal
 
 import pytest
 
-from trainer_bridge.job.audit import audit
-from trainer_bridge.job.chaos import KINDS, Soak, SoakConfig
-from weight_sync.audit import read_records
+from riptide_testing.audit import audit, read_records
+from riptide_testing.chaos import KINDS, Soak, SoakConfig
 
 TAIL = 40
 GROUP = 8

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("platforms", "weight_sync", "inference_server", "rollout", "trainer_bridge")
+PACKAGES = ("platforms", "weight_sync", "inference_server", "rollout", "trainer_bridge",
+            "riptide_testing")         # the last is test and bench tooling, held to the same shape
 BELOW = {"platforms": (), "weight_sync": ("platforms",), "inference_server": ("platforms", "weight_sync"),
          "rollout": ("platforms",)}           # what each may import of the others (trainer_bridge: all)
 MAX_LINES = 60
@@ -137,6 +138,14 @@ def test_lower_layers_do_not_import_upper_ones():
             other = t.split(".")[0]
             if other != pkg and other not in BELOW[pkg]:
                 wrong.append(f"{m} imports {t}")
+    assert wrong == []
+
+
+def test_the_library_does_not_import_its_tooling():
+    """riptide_testing is not installed with the library: no library module may import it."""
+    known = modules()
+    wrong = [f"{m} imports {t}" for m, f in known.items() if not m.startswith("riptide_testing")
+             for t in imports(f, known) if t.startswith("riptide_testing")]
     assert wrong == []
 
 

@@ -139,3 +139,26 @@ def test_staging_buffers_start_and_end_where_the_transport_needs():
         assert buf.dtype == torch.uint8 and buf.is_contiguous()
         assert buf.data_ptr() % alignment == 0 and buf.numel() % alignment == 0 and buf.numel() >= nbytes
     assert CPU.memory(torch.device("cpu"))[0] > 0
+
+
+def test_process_utilities_need_no_server():
+    """platforms/process.py: a child in a session of its own is stopped with its group (SIGTERM,
+    woken if frozen), killed at once by kill(); loopback hosts; a free port binds."""
+    import os
+    import signal
+    import socket
+    import sys
+
+    from platforms.process import ChildProcess, free_port, is_loopback
+    assert is_loopback("localhost") and is_loopback("127.0.0.2") and not is_loopback("10.0.0.1")
+    assert not is_loopback("example.org")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", free_port()))
+    child = ChildProcess()
+    child.popen([sys.executable, "-c", "import time; time.sleep(60)"], {})
+    os.kill(child.proc.pid, signal.SIGSTOP)
+    child.stop(timeout=10)
+    assert child.proc.returncode == -signal.SIGTERM
+    child.popen([sys.executable, "-c", "import time; time.sleep(60)"], {})
+    child.kill()
+    assert child.proc.returncode == -signal.SIGKILL

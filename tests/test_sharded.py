@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from inference_server.process import free_port
+from platforms.process import free_port
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.slow

@@ -198,7 +198,7 @@ def test_the_weight_callback_pushes_the_model_inside_a_ddp_wrapper(chars_model):
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM, TrainerState
 
-    from inference_server.process import free_port
+    from platforms.process import free_port
     from trainer_bridge import BackendConfig, RolloutBackend
     from trainer_bridge.integrations.trl import RiptideWeightSync
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from inference_server.process import API_KEY_ENV, is_loopback
+from inference_server.process import API_KEY_ENV
+from platforms.process import is_loopback
 
 from rollout.config import RolloutConfig
 from weight_sync.fanout import tree_parents

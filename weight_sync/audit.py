@@ -1,11 +1,11 @@
-"""Records for an audit of what was pushed and what served (`logger.audit`; bench/chaos.py reads them).
+"""Records for an audit of what was pushed and what served (`weight_sync.audit`; bench/chaos.py reads them).
 
 The trainer's sender writes one line per push it starts: (version, update id, live_digest of the
 weights as the receivers hold them), before anything is sent, so a push cut short by a crash is on
 record too. Each server writes one line per commit (version, update id, live_digest of the weights
 that serve from then on, and the wall-clock window of the swap) and one at start-up for weights it
 loaded from disk. An auditor holds the two against each other and against the versions the trained
-tokens carry (trainer_bridge/job/audit.py).
+tokens carry (riptide_testing/audit.py, which reads them).
 """
 from __future__ import annotations
 
@@ -36,19 +36,3 @@ class AuditLog:
                 os.close(self._fd)
                 self._fd = -1
 
-
-def read_records(path) -> list[dict]:
-    """Every whole record of a JSON-lines file (a line a killed writer left torn is left out; a file
-    not there has none)."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out

@@ -150,9 +150,9 @@ class WeightSync:
         self.platform = detect()                  # this machine's: the trainer's tensors live on it
         self.mooncake = self.platform.mooncake(protocol, device_name)
         if transport is None:
-            from weight_sync.transports.mooncake import MooncakeTransport, routable_host
-            transport = MooncakeTransport(host or routable_host(getattr(self.clients[0], "url", "")),
-                                          self.mooncake.protocol, self.mooncake.device_name)
+            from weight_sync.transports.mooncake import open_mooncake, routable_host
+            transport = open_mooncake(host or routable_host(getattr(self.clients[0], "url", "")),
+                                      self.mooncake.protocol, self.mooncake.device_name)
         self.transport = transport
         self.bucket_bytes, self.num_slots = bucket_bytes, num_slots
         self.topology, self.fan_out = topology, fan_out

@@ -252,10 +252,10 @@ def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None,
     if sync is not None:
         transport, buf = sync.transport, getattr(sync, "_direct_buffer", None)
     else:
-        from weight_sync.transports.mooncake import MooncakeTransport, routable_host
+        from weight_sync.transports.mooncake import open_mooncake, routable_host
         host = routable_host(toward.rsplit(":", 1)[0])
         transport, buf = _WRITERS[host] if host in _WRITERS else (
-            MooncakeTransport(host, mooncake.protocol, mooncake.device_name), None)
+            open_mooncake(host, mooncake.protocol, mooncake.device_name), None)
     if buf is None or buf.numel() < nbytes:
         if buf is not None:
             transport.unregister(buf.data_ptr())

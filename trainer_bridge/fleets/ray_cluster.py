@@ -21,7 +21,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from platforms import server_bundle
-from inference_server.process import ServerProcess, VllmProcess, free_port, is_loopback
+from platforms.process import free_port, is_loopback
+from inference_server.process import ServerProcess, VllmProcess
 from rollout.service import RolloutHost, RolloutService, RolloutSpec
 from trainer_bridge.config import ClusterConfig, ServerConfig, WeightSyncConfig
 from trainer_bridge.fleets.local import model_files, server_args, take_from_peer

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from inference_server.process import watch_parent
+from platforms.process import watch_parent
 from trainer_bridge.config import JobConfig
 from trainer_bridge.job.run import run
 

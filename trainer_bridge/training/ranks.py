@@ -34,8 +34,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from inference_server.process import free_port
 from platforms import usable_cores
+from platforms.process import free_port
 from trainer_bridge.batch import TrainBatch
 from trainer_bridge.config import ConfigError, JobConfig, redacted
 from weight_sync.sharded import announce, listen

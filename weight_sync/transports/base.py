@@ -1,6 +1,8 @@
 """The transport contract: one-sided writes from registered local memory into a peer's registered memory."""
 from __future__ import annotations
 
+import importlib
+import os
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
@@ -47,6 +49,23 @@ class Transport(ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+WRAPPER_ENV = "RIPTIDE_TRANSPORT_WRAPPER"
+
+
+def wrap_transport(transport: Transport) -> Transport:
+    """`transport` as it is, or, with RIPTIDE_TRANSPORT_WRAPPER=`module:Class` in the environment,
+    `Class(transport)`: a way for tooling to act on the writes of a job's own processes (trainer,
+    servers), which it does not construct. The chaos soak uses it to corrupt bucket writes
+    (riptide_testing/faults.py). Every Mooncake transport the library opens goes through here."""
+    spec = os.environ.get(WRAPPER_ENV)
+    if not spec:
+        return transport
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(f"{WRAPPER_ENV}={spec!r}: expected module:Class")
+    return getattr(importlib.import_module(module), name)(transport)
 
 
 def check_registrable(tensor: torch.Tensor) -> None:

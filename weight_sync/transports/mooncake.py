@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import time
 from urllib.parse import urlparse
 
 import torch
 
-from weight_sync.transports.base import Transport, TransportError, WriteOp, check_registrable
+from weight_sync.transports.base import Transport, TransportError, WriteOp, check_registrable, wrap_transport
 
 # batch_transfer_async_write answers 0 when submission fails, and (batch_id_t)-1 when it cannot
 # open a session with the peer; both mean nothing was sent.
@@ -44,6 +43,12 @@ def routable_host(toward: str = "") -> str:
         return "127.0.0.1"
 
 
+def open_mooncake(host: str, protocol: str = "tcp", device_name: str = "") -> Transport:
+    """A Mooncake transport on `host`, through wrap_transport (as the sender, the ranks and the
+    servers open theirs)."""
+    return wrap_transport(MooncakeTransport(host, protocol, device_name))
+
+
 class MooncakeTransport(Transport):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
         # Imported here so `weight_sync` imports on machines without the Mooncake wheel.
@@ -54,12 +59,6 @@ class MooncakeTransport(Transport):
             raise TransportError(f"Mooncake failed to start on {host} (protocol={protocol!r}, device_name={device_name!r})")
         self._session_id = f"{host}:{self._engine.get_rpc_port()}"
         self._registered: dict[int, torch.Tensor] = {}  # keeps registered memory alive
-        # Fault injection for bench/chaos.py: with RIPTIDE_FAULTS_DIR set, a file `corrupt-write` there
-        # makes the next write land one wrong byte in the middle of what it wrote (the file is taken:
-        # one fault per file), as corruption on the wire would. Unset (always, outside that bench): no check.
-        faults = os.environ.get("RIPTIDE_FAULTS_DIR")
-        self._corrupt_trigger = os.path.join(faults, "corrupt-write") if faults else None
-        self._junk: torch.Tensor | None = None
 
     @property
     def session_id(self) -> str:
@@ -89,18 +88,6 @@ class MooncakeTransport(Transport):
                 # Abandoned batches stay in the engine until the peer answers, dies, or close().
                 raise TransportError(f"write to {peer_session} timed out after {timeout_s}s ({len(pending)}/{len(ops)} ops unfinished)")
             time.sleep(_POLL_S)
-        if self._corrupt_trigger is not None and ops:
-            self._maybe_corrupt(peer_session, ops[-1], timeout_s)
-
-    def _maybe_corrupt(self, peer_session: str, op: WriteOp, timeout_s: float) -> None:
-        try:
-            os.rename(self._corrupt_trigger, self._corrupt_trigger + ".taken")   # one writer takes it
-        except OSError:
-            return
-        if self._junk is None:
-            self._junk = torch.full((1,), 0xA5, dtype=torch.uint8)
-            self.register(self._junk)
-        self.write(peer_session, [WriteOp(self._junk.data_ptr(), op.remote_addr + op.length // 2, 1)], timeout_s)
 
     def close(self) -> None:
         for addr in list(self._registered):

@@ -25,7 +25,23 @@ import json
 from pathlib import Path
 
 from trainer_bridge.config import latest_checkpoint
-from weight_sync.audit import read_records
+
+
+def read_records(path) -> list[dict]:
+    """Every whole record of a JSON-lines file (a line a killed writer left torn is left out; a file
+    not there has none)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
 
 
 class Timeline:

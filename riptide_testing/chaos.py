@@ -1,6 +1,6 @@
 """A chaos soak: a GRPO job (`riptide-train`, `weight_sync.audit=true`) run to its last step under a
 seeded random schedule of faults, restarted with `trainer.resume=auto` whenever a fault ends it, and
-audited afterwards from what it left (trainer_bridge/job/audit.py). bench/chaos.py is the command
+audited afterwards from what it left (riptide_testing/audit.py). bench/chaos.py is the command
 line; tests/test_chaos.py runs a short one.
 
 The faults, each aimed at one process of the job as it runs (found under the trainer's process tree):
@@ -10,8 +10,8 @@ The faults, each aimed at one process of the job as it runs (found under the tra
                    ride through, long ones are evicted and the server wakes up late, killed or stale
   sender_kill      the trainer (the weight sender) SIGKILLed right after a push began: the job dies
                    and resumes from its last checkpoint; the servers die with it
-  corrupt_bucket   a byte flipped in the middle of one bucket write (the transport's fault hook,
-                   RIPTIDE_FAULTS_DIR): refused by the receiver's digest and written again
+  corrupt_bucket   a byte flipped in the middle of one bucket write (riptide_testing/faults.py, a
+                   wrapper around the job's transports): refused by the receiver's digest and written again
   trainer_sigterm  the trainer SIGTERMed: it finishes the step, checkpoints, exits; resumed
   rollout_kill     the rollout manager's process SIGKILLed: the trainer fails, the job resumes
 
@@ -31,13 +31,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from riptide_testing.audit import audit
+from riptide_testing.faults import CORRUPT_TAKEN, CORRUPT_WRITE, job_env
 from trainer_bridge.config import latest_checkpoint
-from trainer_bridge.job.audit import audit
 
 KINDS = ("server_kill", "server_freeze", "sender_kill", "corrupt_bucket", "trainer_sigterm", "rollout_kill")
 RESTARTING = {"sender_kill", "trainer_sigterm", "rollout_kill"}
 
 
+REPO = str(Path(__file__).resolve().parents[1])   # on the job's PYTHONPATH: its processes import faults.py
 UNTIL_STOPPED = 10 ** 9        # the job's steps while the fault window is open, in a time-driven soak
 
 
@@ -179,8 +181,8 @@ class Soak:
 
     def _life(self) -> int:
         """One run of the job until it exits, faults landing on it meanwhile; its exit code."""
-        env = {**os.environ, "RIPTIDE_FAULTS_DIR": str(self.faults_dir), "WANDB_MODE": "offline",
-               "WANDB_SILENT": "true"}
+        env = {**os.environ, **job_env(self.faults_dir), "WANDB_MODE": "offline", "WANDB_SILENT": "true",
+               "PYTHONPATH": os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)}
         log_path = self.run_dir / f"life-{len(self.lives):03d}.log"
         with open(log_path, "wb") as out:
             self.proc = subprocess.Popen(job_command(self.cfg, self.steps), stdout=out, stderr=subprocess.STDOUT,
@@ -230,7 +232,7 @@ class Soak:
             self.deck = list(self.cfg.kinds)
             self.rng.shuffle(self.deck)
         kind = self.deck.pop(0)
-        if kind == "corrupt_bucket" and (self.faults_dir / "corrupt-write").exists() and self.deck:
+        if kind == "corrupt_bucket" and (self.faults_dir / CORRUPT_WRITE).exists() and self.deck:
             self.deck.append(kind)              # one waits for a write already
             kind = self.deck.pop(0)
         done = getattr(self, f"_{kind}")()
@@ -242,7 +244,7 @@ class Soak:
 
     def _enough(self) -> bool:
         """max_faults landed (a corruption not yet taken by a write counts: it waits for the next one)."""
-        waiting = (self.faults_dir / "corrupt-write").exists()
+        waiting = (self.faults_dir / CORRUPT_WRITE).exists()
         return self.cfg.max_faults is not None and sum(self.injected.values()) + waiting >= self.cfg.max_faults
 
     def _pick(self, marker: str) -> int | None:
@@ -287,11 +289,11 @@ class Soak:
         return True
 
     def _corrupt_bucket(self) -> bool:
-        (self.faults_dir / "corrupt-write").touch()
+        (self.faults_dir / CORRUPT_WRITE).touch()
         return True
 
     def _count_corruptions(self) -> None:
-        taken = self.faults_dir / "corrupt-write.taken"
+        taken = self.faults_dir / CORRUPT_TAKEN
         try:
             taken.unlink()
         except FileNotFoundError:
