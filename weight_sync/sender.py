@@ -104,7 +104,8 @@ class PushStats:
 
 
 @dataclass
-class _Peer:
+class Peer:
+    """A receiver as one update sees it: its open reply, and why it left the update if it did."""
     client: object
     reply: OpenReply | None = None
     current: bool = False          # already serves the pushed version: nothing to send it
@@ -163,7 +164,8 @@ class WeightSync:
         self._write_failed = False
         self.zero_copy = zero_copy                    # host tensors go out as they lie (see _direct_or)
         self._ref: UpdateRef | None = None           # the update being pushed (or last pushed)
-        self._peers: list[_Peer] = []
+        self._direct_buffer: torch.Tensor | None = None    # see direct_buffer
+        self._peers: list[Peer] = []
         self._drop_lock = threading.Lock()
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
@@ -185,12 +187,29 @@ class WeightSync:
         for c in gone:
             c.close()
 
+    @property
+    def update_id(self) -> str | None:
+        """The id of the update being pushed, or of the last one pushed (None before the first)."""
+        return self._ref.update_id if self._ref is not None else None
+
+    def direct_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes`, registered with this sync's transport and kept for the
+        next pushes (a larger one replaces it when it is too small): a sharded direct push packs
+        rank 0's bytes into it."""
+        buf = self._direct_buffer
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self.transport.unregister(buf.data_ptr())
+            buf = self._direct_buffer = host_buffer(nbytes, self.mooncake.alignment)
+            self.transport.register(buf)
+        return buf
+
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
         tensors = named_weights(weights)
         staged: list[str] = []
 
-        def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+        def stage(staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
             """Receivers that serve the base get deltas; the rest (new, evicted and back, restarted,
             cold-started) the whole weights, in a pass of their own, first: the delta pass moves the
             base on to the new weights as it goes."""
@@ -222,7 +241,7 @@ class WeightSync:
         if self.base is not None and staged:
             self.base.update_id = staged[0]
 
-    def _passes(self, staging: list[_Peer], stats: PushStats) -> list[tuple[list[_Peer], bool]]:
+    def _passes(self, staging: list[Peer], stats: PushStats) -> list[tuple[list[Peer], bool]]:
         """(receivers, as deltas?) for each pass of this push: whole first, then deltas."""
         base = self.base.update_id if self.base is not None else None
         delta = [p for p in staging if base is not None and p.reply.live_update == base]
@@ -264,7 +283,7 @@ class WeightSync:
         of a served version fails)."""
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
-        peers = self._peers = [_Peer(c) for c in self.clients]
+        peers = self._peers = [Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
             if self.audit_log is not None:
@@ -300,12 +319,12 @@ class WeightSync:
             self.transport.close()
 
     # ---- steps -----------------------------------------------------------------------------------
-    def _open(self, peers: list[_Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
+    def _open(self, peers: list[Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
         t = time.perf_counter()
         req = OpenRequest(**ref.model_dump(), bucket_bytes=self.bucket_bytes, num_slots=self.num_slots,
                           sender=self.transport.session_id)
 
-        def open_one(p: _Peer) -> OpenReply | None:
+        def open_one(p: Peer) -> OpenReply | None:
             try:
                 return p.client.open(req)
             except ReceiverCallError as e:
@@ -325,7 +344,7 @@ class WeightSync:
         return specs
 
     @staticmethod
-    def _check_current(peers: list[_Peer], version: int, digest_as) -> None:
+    def _check_current(peers: list[Peer], version: int, digest_as) -> None:
         """A version names one set of weights: receivers that serve `version` already must serve
         exactly the pushed weights, or the push fails before anything is sent. (A trainer that
         pushed v, crashed, resumed and trained step v again differently would otherwise label
@@ -351,12 +370,12 @@ class WeightSync:
                                   f"than these: a version names one set of weights, so this push changes nothing "
                                   f"and fails; push the new weights as a version above {version}")
 
-    def _prepare_request(self, peer: _Peer, staging: list[_Peer], ref: UpdateRef, inflight: InFlight):
+    def _prepare_request(self, peer: Peer, staging: list[Peer], ref: UpdateRef, inflight: InFlight):
         others = [q.client.url for q in staging if q is not peer and getattr(q.client, "url", None)]
         return PrepareRequest(**ref.model_dump(), peers=others, inflight=inflight,
                               outcome_after_s=2 * self.timeout_s)
 
-    def _commit(self, peers: list[_Peer], ref: UpdateRef, inflight: InFlight, stats: PushStats) -> None:
+    def _commit(self, peers: list[Peer], ref: UpdateRef, inflight: InFlight, stats: PushStats) -> None:
         t = time.perf_counter()
         req = CommitRequest(**ref.model_dump(), inflight=inflight)
         for p, fut in [(p, self._pool.submit(p.client.commit, req)) for p in peers]:
@@ -370,7 +389,7 @@ class WeightSync:
             stats.stall_s[p.name], stats.aborted_requests[p.name] = reply.stall_seconds, reply.aborted_requests
         stats.commit_s = time.perf_counter() - t
 
-    def _deliver(self, peer: _Peer, req: CommitRequest) -> None:
+    def _deliver(self, peer: Peer, req: CommitRequest) -> None:
         """Offer a decided commit to a receiver that did not confirm it, until it does, refuses
         (a newer update replaced it there) or a newer push starts."""
         while not self._closed.wait(1.0) and self._ref is not None and self._ref.update_id == req.update_id:
@@ -384,7 +403,7 @@ class WeightSync:
             log.warning("version %d committed on %s, late", req.version, peer.name)
             return
 
-    def _report(self, peers: list[_Peer], stats: PushStats) -> PushStats:
+    def _report(self, peers: list[Peer], stats: PushStats) -> PushStats:
         v = stats.version
         for p in peers:
             old = p.reply.current_version if p.reply is not None else None
@@ -424,7 +443,7 @@ class WeightSync:
             return out
         return of
 
-    def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
+    def stream(self, peers: list[Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
                ref: UpdateRef, stats: PushStats, packer=None, direct: bool = False, keep=None) -> None:
         """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
         `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
@@ -440,7 +459,7 @@ class WeightSync:
         # earlier buckets travel down the tree, and packing off the critical path.
         self._ensure_local(max(b.nbytes for b in plan), self.num_slots + depth(parents))
         ring, t = len(self._local), time.perf_counter()
-        hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
+        hop = Hop(self._write, self.drop_peer, self.timeout_s, self.max_retries)
         with ThreadPoolExecutor(Fanout.pool_size(len(peers), ring), thread_name_prefix="weight-sync-fanout") as pool:
             fan = Fanout(peers, parents, self.num_slots, ring, ref, hop, pool)
             moving: list[Future] = []
@@ -521,7 +540,7 @@ class WeightSync:
                 self.transport.unregister(addr)
         self._written_from, self._write_failed = {}, False
 
-    def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
+    def _write(self, peer: Peer, local_slot: int, k: int, nbytes: int) -> None:
         """Bucket k from a local slot (or straight from the trainer's tensors) into the peer's
         staging slot k % num_slots."""
         remote = peer.reply.slot_addrs[k % self.num_slots]
@@ -535,7 +554,7 @@ class WeightSync:
             raise ReceiverCallError(peer.name, f"transfer failed: {e}") from None
 
     # ---- failure ---------------------------------------------------------------------------------
-    def _each(self, peers: list[_Peer], fn, step: str) -> list:
+    def _each(self, peers: list[Peer], fn, step: str) -> list:
         """Run `fn` on every live peer in parallel; a failure drops the peer or fails the update."""
         live = [p for p in peers if p.error is None]
         futures = [(p, self._pool.submit(fn, p)) for p in live]
@@ -544,14 +563,15 @@ class WeightSync:
             try:
                 out.append((p, f.result()))
             except ReceiverCallError as e:
-                self._drop(p, e, stale=e.kind is ErrorKind.STALE)
+                self.drop_peer(p, e, stale=e.kind is ErrorKind.STALE)
         if not any(p.error is None for p in peers):
             raise WeightSyncError(f"no receiver left after {step}: " +
                                   "; ".join(f"{p.client.name}: {p.error}" for p in peers))
         return out
 
-    def _drop(self, peer: _Peer, error: Exception, stale: bool = False) -> None:
-        """Leave `peer` out of this update, or raise when the update may not go on without it."""
+    def drop_peer(self, peer: Peer, error: Exception, stale: bool = False) -> None:
+        """Leave `peer` (one of the update in progress) out of this update, or raise WeightSyncError
+        when the update may not go on without it (`stale`, or fewer than `min_fraction` left)."""
         with self._drop_lock:
             if peer.error is not None:
                 return
@@ -563,7 +583,7 @@ class WeightSync:
         self._pool.submit(self._quiet_abort, peer, self._ref)
 
     @staticmethod
-    def _quiet_abort(peer: _Peer, ref: UpdateRef) -> None:
+    def _quiet_abort(peer: Peer, ref: UpdateRef) -> None:
         try:
             peer.client.abort(ref)
         except Exception as e:  # best effort: the receiver may be the one that is dead

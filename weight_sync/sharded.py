@@ -38,13 +38,13 @@ import torch
 
 from weight_sync import named_weights
 from platforms import MooncakeArgs
-from weight_sync.bucket import (Bucket, TensorSpec, _copy_hashed, as_bytes, digest, format_parts_digest,
+from weight_sync.bucket import (Bucket, TensorSpec, as_bytes, copy_hashed, digest, format_parts_digest,
                                 host_buffer, plan_buckets, to_host)
 from weight_sync.delta import DeltaBase, apply_diff, diff_piece, width, write_delta
 from weight_sync.clients import ReceiverCallError
 from weight_sync.fanout import TRAINER, Fanout, Hop, tree_parents
 from weight_sync.protocol import Encoding, InFlight, UpdateRef
-from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, check_weights
+from weight_sync.sender import Peer, PushStats, WeightSync, WeightSyncError, check_weights
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class _GatherPush:
     def push(self, version: int, inflight: InFlight) -> PushStats:
         return self.sync.run_update(version, inflight, self._stage)
 
-    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+    def _stage(self, staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         self._dtypes = check_weights(self.tensors, specs)
         plan = self.sync.plan(specs, stats)
         self._last = {p.name: b.index for b in plan for p in b.pieces}
@@ -172,7 +172,7 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
             pass
         raise
     announce((Say.DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
-                   "seconds": time.perf_counter() - t0, "serving": stats.serving, "update_id": sync._ref.update_id,
+                   "seconds": time.perf_counter() - t0, "serving": stats.serving, "update_id": sync.update_id,
                    "wire_bytes": stats.wire_bytes, "modes": stats.modes, "changed_fraction": stats.changed_fraction}),
              group)
     return stats
@@ -246,25 +246,21 @@ def _rank_base(specs: list[TensorSpec]) -> DeltaBase:
 def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None,
                     mooncake: MooncakeArgs) -> tuple[Transport, torch.Tensor]:
     """This rank's transfer engine and a registered buffer of at least `nbytes`, kept for the next
-    pushes: on rank 0 its WeightSync's engine (the buffer lives and goes with the WeightSync), on
-    the others one engine per process, on the address that routes toward the servers, started as
-    rank 0's (`mooncake`: protocol, devices, alignment)."""
+    pushes: on rank 0 its WeightSync's engine and direct buffer (the buffer lives and goes with the
+    WeightSync), on the others one engine per process, on the address that routes toward the
+    servers, started as rank 0's (`mooncake`: protocol, devices, alignment)."""
     if sync is not None:
-        transport, buf = sync.transport, getattr(sync, "_direct_buffer", None)
-    else:
-        from weight_sync.transports.mooncake import MooncakeTransport, routable_host
-        host = routable_host(toward.rsplit(":", 1)[0])
-        transport, buf = _WRITERS[host] if host in _WRITERS else (
-            MooncakeTransport(host, mooncake.protocol, mooncake.device_name), None)
+        return sync.transport, sync.direct_buffer(nbytes)
+    from weight_sync.transports.mooncake import MooncakeTransport, routable_host
+    host = routable_host(toward.rsplit(":", 1)[0])
+    transport, buf = _WRITERS[host] if host in _WRITERS else (
+        MooncakeTransport(host, mooncake.protocol, mooncake.device_name), None)
     if buf is None or buf.numel() < nbytes:
         if buf is not None:
             transport.unregister(buf.data_ptr())
         buf = host_buffer(nbytes, mooncake.alignment)
         transport.register(buf)
-    if sync is not None:
-        sync._direct_buffer = buf
-    else:
-        _WRITERS[host] = (transport, buf)
+    _WRITERS[host] = (transport, buf)
     return transport, buf
 
 
@@ -360,7 +356,7 @@ class _RankWriter:
                 n = write_delta([d], out)
                 apply_diff(d, old)
                 return (offset, hi - lo, digest(new), n), n
-        h = _copy_hashed([(out[:hi - lo], new)])
+        h = copy_hashed([(out[:hi - lo], new)])
         if old is not None:
             old.copy_(new)
         return (offset, hi - lo, h), hi - lo
@@ -390,10 +386,10 @@ class _DirectPush:
                 self.base.forget()
             raise
         if self.base is not None:
-            self.base.update_id = self.sync._ref.update_id
+            self.base.update_id = self.sync.update_id
         return stats
 
-    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+    def _stage(self, staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         sync = self.sync
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
@@ -406,7 +402,7 @@ class _DirectPush:
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
 
-    def _delta_base(self, peers: list[_Peer], stats: PushStats) -> str | None:
+    def _delta_base(self, peers: list[Peer], stats: PushStats) -> str | None:
         """The update the ranks send deltas against: theirs, when every server serves it (a rank
         still sends whole what its own base does not hold); else None, whole everywhere."""
         base = self.base.update_id if self.base is not None else None
@@ -415,7 +411,7 @@ class _DirectPush:
             stats.modes[p.name] = "delta" if delta_base else "full"
         return delta_base
 
-    def _collect(self, bucket: Bucket, results: list, live: list[_Peer], delta_base: str | None, stats: PushStats,
+    def _collect(self, bucket: Bucket, results: list, live: list[Peer], delta_base: str | None, stats: PushStats,
                  changed: list[int]) -> tuple[str, dict | None]:
         """Every rank's report of a bucket: counted, its failed writes' servers dropped; returns the
         bucket's parts digest and its apply fields (a delta's, when a range went as one)."""
@@ -428,19 +424,19 @@ class _DirectPush:
             stats.egress_bytes += sent
             stats.egress_by_rank[rank] += sent
             for i, why in failed.items():
-                self.sync._drop(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
+                self.sync.drop_peer(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
         deltas = any(len(part) > 3 for part in parts)
         stats.delta_buckets += deltas
         return (format_parts_digest(parts, bucket.nbytes),
                 dict(encoding=Encoding.DELTA, base_update=delta_base) if deltas else None)
 
-    def _stream(self, peers: list[_Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
+    def _stream(self, peers: list[Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
         sync, n = self.sync, self.sync.num_slots
         written: dict[int, set[int]] = {}      # bucket -> the servers the ranks wrote it into
         delta_base = self._delta_base(peers, stats)
         changed = [0, 0]
 
-        def hop_write(peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
+        def hop_write(peer: Peer, local_slot: int, k: int, nbytes: int) -> None:
             """The fan-out's trainer -> server write: the ranks did it already, into the servers
             the trainer feeds. A server the trainer takes over (its relay was lost) cannot get
             the bucket from the ranks again (they are on the next one): it leaves this push."""
@@ -448,7 +444,7 @@ class _DirectPush:
                 raise ReceiverCallError(peer.name, f"its relay was lost with bucket {k}, which the trainer's ranks "
                                                    f"wrote only into the servers they feed (direct sharded push)")
 
-        hop = Hop(hop_write, sync._drop, sync.timeout_s, 0)
+        hop = Hop(hop_write, sync.drop_peer, sync.timeout_s, 0)
         t = time.perf_counter()
         with ThreadPoolExecutor(Fanout.pool_size(len(peers), n), thread_name_prefix="weight-sync-sharded") as pool:
             # A ring of num_slots "local" slots: bucket k starts once bucket k - num_slots has been
