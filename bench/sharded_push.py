@@ -78,6 +78,7 @@ def rank_main(a) -> None:
     fully_shard(model)
     bucket = a.bucket_mb << 20
     sync = WeightSync([a.url], bucket_bytes=bucket, timeout_s=120) if rank == 0 else None
+    state = sharded.RankState()                # this rank's engine and delta base, kept between pushes
     times, peaks = [], []
     for i in range(a.pushes + 1):
         version = a.first_version + i
@@ -85,7 +86,8 @@ def rank_main(a) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         if a.mode in ("sharded", "bucket_gather"):
-            stats = sharded.push_sharded(model, version, sync, mode="direct" if a.mode == "sharded" else "gather")
+            stats = sharded.push_sharded(model, version, sync, mode="direct" if a.mode == "sharded" else "gather",
+                                         state=state)
             peak = stats.peak_gathered_bytes
         else:
             full = {n: t.full_tensor() for n, t in named_weights(model).items()}

@@ -209,7 +209,7 @@ def main() -> None:
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, a.dtype)).to(a.device)
     # from_pretrained maps the checkpoint file: the first read of every page faults. A trainer's
     # weights are its own memory once its optimizer has stepped (Adam writes every element), so the
-    # bench's are too (a push reads them where they lie, without a copy: sender.WeightSync._direct_or).
+    # bench's are too (a push reads them where they lie, without a copy: streaming.Streamer._direct_or).
     for t in trainer.parameters():
         t.data = t.data.clone()
     params = named_weights(trainer)

@@ -21,7 +21,7 @@ from inference_server.tiny_model import build_tiny_model
 from rollout.config import RolloutConfig
 from trainer_bridge import BackendConfig, RolloutBackend
 from trainer_bridge.config import TaskConfig
-from weight_sync.sharded import push_sharded
+from weight_sync.sharded import RankState, push_sharded
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 20
 path = os.environ.get("RIPTIDE_EXAMPLE_MODEL", ".cache/tiny-chars")
@@ -37,7 +37,7 @@ for layer in model.model.layers:
 fully_shard(model)
 optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
 
-backend = None
+backend, shard = None, RankState()                                # shard: a rank > 0's engine, kept between pushes
 if rank == 0:
     cfg = BackendConfig(model_path=path, task=TaskConfig(name="copy", num_digits=2),
                         rollout=RolloutConfig(group_size=8, batch_size=8, max_new_tokens=3, oversample=1.5,
@@ -67,7 +67,7 @@ try:
             backend.push_weights(model, version=step + 1)         # with the other ranks' own writes
             print(f"step {step}: reward {b['reward']:.3f}  staleness {b['staleness']}", flush=True)
         else:
-            push_sharded(model, step + 1)
+            push_sharded(model, step + 1, state=shard)
 finally:
     if backend is not None:
         backend.close()

@@ -204,6 +204,11 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="riptide-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine's loop is running (started, and not ended)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()

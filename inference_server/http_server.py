@@ -410,7 +410,7 @@ def _info_routes(app: FastAPI, server: Server, host: str) -> None:
 
     @app.get("/health")
     async def health():
-        alive = engine._thread is not None and engine._thread.is_alive()
+        alive = engine.running
         torn = engine.weights_torn
         ok = alive and not torn
         status = "ok" if ok else "engine stopped" if not alive else "weights torn by a failed in-place update"

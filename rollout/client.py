@@ -218,7 +218,7 @@ class VllmClient(ServerClient):
                 continue
             versions[span["start"]:span["end"]] = [v] * (span["end"] - span["start"])
         reason = choice.get("finish_reason") or "stop"
-        finish = Finish(reason) if reason in Finish._value2member_map_ else Finish.STOP
+        finish = Finish(reason) if reason in {f.value for f in Finish} else Finish.STOP
         return Generation(ids, lps, versions, finish, "")
 
     async def abort(self, rids: list[str]) -> None:

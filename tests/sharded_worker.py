@@ -75,9 +75,10 @@ def main() -> None:
 
     sync = WeightSync(a.url.split(","), bucket_bytes=a.bucket_kb << 10, timeout_s=20,
                       topology=a.topology, delta=a.delta_steps > 0) if rank == 0 else None
+    state = sharded.RankState()                        # this rank's, kept between its pushes
     result: dict = {"rank": rank, "pushes": []}
     try:
-        stats = sharded.push_sharded(model, a.version, sync, mode=a.mode)
+        stats = sharded.push_sharded(model, a.version, sync, mode=a.mode, state=state)
         for step in range(1, a.delta_steps + 1):
             g = torch.Generator().manual_seed(1000 * step + rank)
             with torch.no_grad():
@@ -85,7 +86,7 @@ def main() -> None:
                     local = t.to_local().view(-1)
                     at = torch.randperm(local.numel(), generator=g)[:max(1, local.numel() // 50)]
                     local[at] += 0.01
-            stats = sharded.push_sharded(model, a.version + step, sync, mode=a.mode)
+            stats = sharded.push_sharded(model, a.version + step, sync, mode=a.mode, state=state)
             result["pushes"].append({"modes": sorted(set(stats.modes.values())), "wire_fraction": stats.wire_fraction,
                                      "changed_fraction": stats.changed_fraction})
         result.update(ok=True, version=stats.version, buckets=stats.buckets, bytes=stats.bytes,

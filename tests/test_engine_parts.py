@@ -269,6 +269,6 @@ def test_a_command_its_caller_gave_up_on_does_not_stop_the_engine(tiny_model):
                        on_update=lambda s: s.finished and done.set())
         engine.add([seq])
         assert done.wait(30) and len(seq.output_ids) == 4
-        assert engine._thread.is_alive()
+        assert engine.running
     finally:
         engine.shutdown()

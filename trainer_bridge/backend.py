@@ -133,6 +133,7 @@ class RolloutBackend:
         self.fleet = None
         self.rollout = None                  # the manager's host: call(method, *args)
         self.sync = None
+        self.sharded = None                  # sharded.RankState of this rank (0) for FSDP2 pushes, from the first
         self.version = 0
         self.servers: list[str] = []         # members: they get weight pushes and rollout requests
         self.stats = FleetStats()
@@ -226,8 +227,8 @@ class RolloutBackend:
         its in-flight policy (`on_policy`: the next batch is generated on `version` alone, as in
         sync mode). Returns the push's PushStats. A model sharded with FSDP2
         (`fully_shard`) is pushed from rank 0, which holds the backend, while every other rank calls
-        `weight_sync.sharded.push_sharded(model, version)`: each rank writes the shard it holds,
-        and no rank gathers the model."""
+        `weight_sync.sharded.push_sharded(model, version, state=state)` (its own RankState, the
+        same at every push): each rank writes the shard it holds, and no rank gathers the model."""
         self._admit()
         self._evict_down()
         stats = self._push(model, version)
@@ -304,7 +305,9 @@ class RolloutBackend:
             if lora.is_adapted(model):       # a peft model: the weights it computes with, by the base's names
                 model = lora.merged_weights(model)
             if sharded.is_sharded(model):    # FSDP2: rank 0 here; every other rank calls push_sharded(model, version)
-                return sharded.push_sharded(model, version, self.sync, inflight=inflight)
+                self.sharded = self.sharded or sharded.RankState()
+                return sharded.push_sharded(model, version, self.sync, inflight=inflight,
+                                            state=self.sharded)
             return self.sync.push(model, version, inflight=inflight)
         except CommitIncomplete as e:
             # every server had prepared: the version stands; the ones that did not confirm learn it

@@ -88,7 +88,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 _CHUNK = 1 << 20   # copy-then-hash 1 MiB at a time, while it is in cache: 23 ms per 128 MiB here, against 30
 
 
-def _copy_hashed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
+def copy_hashed(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> str:
     """Copy each (dst, src) pair of flat uint8 CPU views, in order; xxh3-128 of everything copied."""
     h = xxhash.xxh3_128()
     for dst, src in pairs:
@@ -108,7 +108,7 @@ def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], slot: torch.Tensor) -
              for p in bucket.pieces]
     devices = {src.device for _, src in pairs if src.device.type != "cpu"}
     if not devices:
-        return _copy_hashed(pairs)
+        return copy_hashed(pairs)
     for dst, src in pairs:
         dst.copy_(src, non_blocking=True)
     for device in devices:
@@ -128,7 +128,7 @@ def unpack_verified(bucket: Bucket, slot: torch.Tensor, tensors: dict[str, torch
              for p in bucket.pieces]
     parts = is_parts_digest(like)
     if not parts and all(dst.device.type == "cpu" for dst, _ in pairs):
-        return _copy_hashed(pairs)
+        return copy_hashed(pairs)
     ranges = parse_parts_digest(like) if parts else None
     check = (lambda: parts_digest(slot, ranges)) if parts else (lambda: digest(slot[:bucket.nbytes]))
     before = check()

@@ -1,6 +1,6 @@
 """The trainer's side of weight sync: `WeightSync(receivers).push(model, version)`.
 
-Pipelined: bucket k+1 is packed while bucket k travels down the fan-out tree (`fanout.py`: a star,
+Pipelined (streaming.py): bucket k+1 is packed while bucket k travels down the fan-out tree (`fanout.py`: a star,
 or a chain / tree where receivers relay each bucket onward, so the trainer writes it once) and
 receivers copy and verify it. Local staging is a ring of `num_slots` + (levels of the tree) registered
 buffers, each receiver's a ring of `num_slots` staging slots; bucket k's local buffer is reused only once every
@@ -22,22 +22,22 @@ import math
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 import torch
-import xxhash
 
 from weight_sync import live_digest, named_weights
 from platforms import detect
-from weight_sync.bucket import DTYPES, Bucket, TensorSpec, as_bytes, host_buffer, pack, plan_buckets
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
-from weight_sync.fanout import AUTO, Fanout, Hop, depth, tree_parents
+from weight_sync.fanout import AUTO, tree_parents
 from weight_sync.delta import DeltaBase
 from weight_sync.protocol import (CommitRequest, Encoding, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest,
                                   UpdateRef)
-from weight_sync.transports import Transport, TransportError, WriteOp
+from weight_sync.streaming import Streamer
+from weight_sync.transports import Transport
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class PushStats:
 
 
 @dataclass
-class _Peer:
+class Peer:
+    """A receiver as one update sees it: its open reply, and why it left the update if it did."""
     client: object
     reply: OpenReply | None = None
     current: bool = False          # already serves the pushed version: nothing to send it
@@ -156,14 +157,10 @@ class WeightSync:
         self.transport = transport
         self.bucket_bytes, self.num_slots = bucket_bytes, num_slots
         self.topology, self.fan_out = topology, fan_out
-        self._local: list[torch.Tensor] = []
-        self._direct: dict[int, list[tuple[int, int, int]]] = {}   # bucket -> (address, offset in it, length)
-        self._written_from: dict[int, torch.Tensor] = {}   # the last stream's tensors, registered as write sources
-        self._retired: dict[int, torch.Tensor] = {}   # sources a timed-out write may still read: kept to the end
-        self._write_failed = False
-        self.zero_copy = zero_copy                    # host tensors go out as they lie (see _direct_or)
+        self.streamer = Streamer(transport, self.mooncake, self.platform, num_slots, timeout_s, max_retries,
+                                 zero_copy)          # the buckets' way: ring of local slots, zero-copy, fan-out
         self._ref: UpdateRef | None = None           # the update being pushed (or last pushed)
-        self._peers: list[_Peer] = []
+        self._peers: list[Peer] = []
         self._drop_lock = threading.Lock()
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
@@ -185,12 +182,32 @@ class WeightSync:
         for c in gone:
             c.close()
 
+    @property
+    def update_id(self) -> str | None:
+        """The id of the update being pushed, or of the last one pushed (None before the first)."""
+        return self._ref.update_id if self._ref is not None else None
+
+    def direct_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host buffer of at least `nbytes`, registered with this sync's transport and kept for the
+        next pushes (streaming.Streamer.direct_buffer): a sharded direct push packs rank 0's bytes
+        into it."""
+        return self.streamer.direct_buffer(nbytes)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Host tensors go out as they lie (streaming.Streamer.zero_copy)."""
+        return self.streamer.zero_copy
+
+    @zero_copy.setter
+    def zero_copy(self, on: bool) -> None:
+        self.streamer.zero_copy = on
+
     # ---- the update, top to bottom ---------------------------------------------------------------
     def push(self, weights, version: int, inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
         tensors = named_weights(weights)
         staged: list[str] = []
 
-        def stage(staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+        def stage(staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
             """Receivers that serve the base get deltas; the rest (new, evicted and back, restarted,
             cold-started) the whole weights, in a pass of their own, first: the delta pass moves the
             base on to the new weights as it goes."""
@@ -222,7 +239,7 @@ class WeightSync:
         if self.base is not None and staged:
             self.base.update_id = staged[0]
 
-    def _passes(self, staging: list[_Peer], stats: PushStats) -> list[tuple[list[_Peer], bool]]:
+    def _passes(self, staging: list[Peer], stats: PushStats) -> list[tuple[list[Peer], bool]]:
         """(receivers, as deltas?) for each pass of this push: whole first, then deltas."""
         base = self.base.update_id if self.base is not None else None
         delta = [p for p in staging if base is not None and p.reply.live_update == base]
@@ -264,7 +281,7 @@ class WeightSync:
         of a served version fails)."""
         ref = self._ref = UpdateRef(version=version, update_id=uuid.uuid4().hex)
         stats, t0 = PushStats(version=version), time.perf_counter()
-        peers = self._peers = [_Peer(c) for c in self.clients]
+        peers = self._peers = [Peer(c) for c in self.clients]
         try:
             specs = self._open(peers, ref, stats)
             if self.audit_log is not None:
@@ -291,21 +308,17 @@ class WeightSync:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
-        for buf in self._local:
-            self.transport.unregister(buf.data_ptr())
-        self._local = []
-        self._write_failed = False
-        self._release_sources()
+        self.streamer.close()
         if close_transport:
             self.transport.close()
 
     # ---- steps -----------------------------------------------------------------------------------
-    def _open(self, peers: list[_Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
+    def _open(self, peers: list[Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
         t = time.perf_counter()
         req = OpenRequest(**ref.model_dump(), bucket_bytes=self.bucket_bytes, num_slots=self.num_slots,
                           sender=self.transport.session_id)
 
-        def open_one(p: _Peer) -> OpenReply | None:
+        def open_one(p: Peer) -> OpenReply | None:
             try:
                 return p.client.open(req)
             except ReceiverCallError as e:
@@ -325,7 +338,7 @@ class WeightSync:
         return specs
 
     @staticmethod
-    def _check_current(peers: list[_Peer], version: int, digest_as) -> None:
+    def _check_current(peers: list[Peer], version: int, digest_as) -> None:
         """A version names one set of weights: receivers that serve `version` already must serve
         exactly the pushed weights, or the push fails before anything is sent. (A trainer that
         pushed v, crashed, resumed and trained step v again differently would otherwise label
@@ -351,12 +364,12 @@ class WeightSync:
                                   f"than these: a version names one set of weights, so this push changes nothing "
                                   f"and fails; push the new weights as a version above {version}")
 
-    def _prepare_request(self, peer: _Peer, staging: list[_Peer], ref: UpdateRef, inflight: InFlight):
+    def _prepare_request(self, peer: Peer, staging: list[Peer], ref: UpdateRef, inflight: InFlight):
         others = [q.client.url for q in staging if q is not peer and getattr(q.client, "url", None)]
         return PrepareRequest(**ref.model_dump(), peers=others, inflight=inflight,
                               outcome_after_s=2 * self.timeout_s)
 
-    def _commit(self, peers: list[_Peer], ref: UpdateRef, inflight: InFlight, stats: PushStats) -> None:
+    def _commit(self, peers: list[Peer], ref: UpdateRef, inflight: InFlight, stats: PushStats) -> None:
         t = time.perf_counter()
         req = CommitRequest(**ref.model_dump(), inflight=inflight)
         for p, fut in [(p, self._pool.submit(p.client.commit, req)) for p in peers]:
@@ -370,7 +383,7 @@ class WeightSync:
             stats.stall_s[p.name], stats.aborted_requests[p.name] = reply.stall_seconds, reply.aborted_requests
         stats.commit_s = time.perf_counter() - t
 
-    def _deliver(self, peer: _Peer, req: CommitRequest) -> None:
+    def _deliver(self, peer: Peer, req: CommitRequest) -> None:
         """Offer a decided commit to a receiver that did not confirm it, until it does, refuses
         (a newer update replaced it there) or a newer push starts."""
         while not self._closed.wait(1.0) and self._ref is not None and self._ref.update_id == req.update_id:
@@ -384,7 +397,7 @@ class WeightSync:
             log.warning("version %d committed on %s, late", req.version, peer.name)
             return
 
-    def _report(self, peers: list[_Peer], stats: PushStats) -> PushStats:
+    def _report(self, peers: list[Peer], stats: PushStats) -> PushStats:
         v = stats.version
         for p in peers:
             old = p.reply.current_version if p.reply is not None else None
@@ -424,118 +437,16 @@ class WeightSync:
             return out
         return of
 
-    def stream(self, peers: list[_Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
+    def stream(self, peers: list[Peer], plan: list[Bucket], sources: Callable[[Bucket], Mapping[str, torch.Tensor]],
                ref: UpdateRef, stats: PushStats, packer=None, direct: bool = False, keep=None) -> None:
-        """Every bucket down the fan-out tree (fanout.py), packing bucket k while earlier ones travel.
-        `sources(bucket)`: the bucket's tensors (contiguous, the receivers' dtype, on the CPU or an
-        accelerator), asked for in plan order just before it is packed (a sharded model gathers
-        them then). `packer(bucket, sources, slot)`: how a bucket goes into its local slot, (bytes,
-        digest, apply fields); whole by default. `direct`: whole buckets of host tensors are written
-        from where they lie (the tensors stay referenced until the stream ends). `keep(bucket, sources,
-        packed slot or None)`: after each whole bucket (a delta sender's base takes it)."""
-        self._release_sources()
+        """Every bucket down the fan-out tree of this sync's topology (streaming.Streamer.stream:
+        `sources`, `packer`, `direct` and `keep` there); a receiver that fails is dropped
+        (drop_peer) or fails the update."""
         parents = tree_parents(len(peers), self.topology, self.fan_out, buckets=len(plan))
-        # Bucket k's local slot is free once the whole tree has verified k (a hop whose copy fails
-        # is written again from it): one slot per level of relays keeps the trainer writing while
-        # earlier buckets travel down the tree, and packing off the critical path.
-        self._ensure_local(max(b.nbytes for b in plan), self.num_slots + depth(parents))
-        ring, t = len(self._local), time.perf_counter()
-        hop = Hop(self._write, self._drop, self.timeout_s, self.max_retries)
-        with ThreadPoolExecutor(Fanout.pool_size(len(peers), ring), thread_name_prefix="weight-sync-fanout") as pool:
-            fan = Fanout(peers, parents, self.num_slots, ring, ref, hop, pool)
-            moving: list[Future] = []
-            try:
-                for k, bucket in enumerate(plan):
-                    fan.take_local(k)
-                    for f in moving:
-                        if f.done():
-                            f.result()       # an update that cannot go on stops here
-                    t_pack = time.perf_counter()
-                    srcs, slot = sources(bucket), self._local[k % ring]
-                    if packer is not None:
-                        nbytes, dig, extra = packer(bucket, srcs, slot)
-                    else:
-                        nbytes, dig, extra = self._direct_or(bucket, srcs, k, slot) if direct else \
-                            (bucket.nbytes, pack(bucket, srcs, slot), None)
-                        if keep is not None:
-                            keep(bucket, srcs, None if k in self._direct else slot)
-                    stats.pack_s += time.perf_counter() - t_pack
-                    stats.wire_bytes += nbytes
-                    moving.append(pool.submit(fan.bucket, k, nbytes, dig, extra))
-                for f in moving:
-                    f.result()
-            except BaseException as e:       # buckets still moving give up, so the pool can close
-                fan.failed = fan.failed or e
-                raise
-            finally:
-                pool.shutdown(wait=True)     # every write returned or timed out: sources may go
-                self._release_sources()
-        stats.transfer_s += time.perf_counter() - t
-        stats.apply_s += fan.apply_s
-        stats.retries += fan.retries
-        stats.egress_bytes += fan.egress_bytes
-
-    def _direct_or(self, bucket: Bucket, sources: Mapping[str, torch.Tensor], k: int, slot: torch.Tensor):
-        """A whole bucket of host tensors goes straight from them into the receivers' slots, its
-        digest taken of them in place: no copy into a local slot, which took a core the transfer
-        needs (a 1 GB push on 2 cores: 0.82 -> 0.9x raw Mooncake). Tensors on an accelerator, or
-        sharing memory with another source, are packed into `slot`."""
-        for t in {id(t): t for t in sources.values() if t.data_ptr() not in self._written_from}.values():
-            if not self._registered(t):
-                return bucket.nbytes, pack(bucket, sources, slot), None
-        h, ops = xxhash.xxh3_128(), []
-        for p in bucket.pieces:
-            src = sources[p.name]
-            h.update(as_bytes(src)[p.offset:p.offset + p.length].numpy())
-            ops.append((src.data_ptr() + p.offset, p.bucket_offset, p.length))
-        self._direct[k] = ops
-        return bucket.nbytes, h.hexdigest(), None
-
-    def _registered(self, t: torch.Tensor) -> bool:
-        """`t` registered as a write source for this stream; False where it cannot be (off, not host
-        memory, overlapping another registration, refused by the transport): then it is packed."""
-        retired = self._retired.get(t.data_ptr())
-        if retired is not None and retired.nbytes >= t.nbytes:   # still registered since a failed write
-            return True
-        start, end = t.data_ptr(), t.data_ptr() + t.nbytes
-        if not self.zero_copy or t.device.type != "cpu" or any(
-                a < end and start < a + s.nbytes for a, s in (*self._written_from.items(), *self._retired.items())):
-            return False
-        try:
-            self.transport.register(t)
-        except TransportError as e:
-            log.info("packing instead of writing in place: %s", e)
-            return False
-        self._written_from[t.data_ptr()] = t
-        return True
-
-    def _release_sources(self) -> None:
-        """Before a stream: the last one's sources are no write's any more, unless a write of it
-        failed (a timed-out write may still read them until its peer answers): those stay
-        registered and alive until close."""
-        self._direct.clear()
-        for addr, t in self._written_from.items():
-            if self._write_failed:
-                self._retired[addr] = t
-            else:
-                self.transport.unregister(addr)
-        self._written_from, self._write_failed = {}, False
-
-    def _write(self, peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
-        """Bucket k from a local slot (or straight from the trainer's tensors) into the peer's
-        staging slot k % num_slots."""
-        remote = peer.reply.slot_addrs[k % self.num_slots]
-        direct = self._direct.get(k)
-        ops = [WriteOp(a, remote + off, n) for a, off, n in direct] if direct else \
-            [WriteOp(self._local[local_slot].data_ptr(), remote, nbytes)]
-        try:
-            self.transport.write(peer.reply.session, ops, self.timeout_s)
-        except TransportError as e:
-            self._write_failed = True
-            raise ReceiverCallError(peer.name, f"transfer failed: {e}") from None
+        self.streamer.stream(peers, parents, plan, sources, ref, stats, self.drop_peer, packer, direct, keep)
 
     # ---- failure ---------------------------------------------------------------------------------
-    def _each(self, peers: list[_Peer], fn, step: str) -> list:
+    def _each(self, peers: list[Peer], fn, step: str) -> list:
         """Run `fn` on every live peer in parallel; a failure drops the peer or fails the update."""
         live = [p for p in peers if p.error is None]
         futures = [(p, self._pool.submit(fn, p)) for p in live]
@@ -544,14 +455,15 @@ class WeightSync:
             try:
                 out.append((p, f.result()))
             except ReceiverCallError as e:
-                self._drop(p, e, stale=e.kind is ErrorKind.STALE)
+                self.drop_peer(p, e, stale=e.kind is ErrorKind.STALE)
         if not any(p.error is None for p in peers):
             raise WeightSyncError(f"no receiver left after {step}: " +
                                   "; ".join(f"{p.client.name}: {p.error}" for p in peers))
         return out
 
-    def _drop(self, peer: _Peer, error: Exception, stale: bool = False) -> None:
-        """Leave `peer` out of this update, or raise when the update may not go on without it."""
+    def drop_peer(self, peer: Peer, error: Exception, stale: bool = False) -> None:
+        """Leave `peer` (one of the update in progress) out of this update, or raise WeightSyncError
+        when the update may not go on without it (`stale`, or fewer than `min_fraction` left)."""
         with self._drop_lock:
             if peer.error is not None:
                 return
@@ -563,19 +475,9 @@ class WeightSync:
         self._pool.submit(self._quiet_abort, peer, self._ref)
 
     @staticmethod
-    def _quiet_abort(peer: _Peer, ref: UpdateRef) -> None:
+    def _quiet_abort(peer: Peer, ref: UpdateRef) -> None:
         try:
             peer.client.abort(ref)
         except Exception as e:  # best effort: the receiver may be the one that is dead
             log.info("abort on %s failed: %s", peer.name, e)
 
-    def _ensure_local(self, nbytes: int, ring: int) -> None:
-        if len(self._local) == ring and self._local[0].numel() >= nbytes:
-            return
-        for buf in self._local:
-            self.transport.unregister(buf.data_ptr())
-        # Page-locked on a machine with an accelerator: the trainer's tensors come over by DMA.
-        self._local = [host_buffer(nbytes, self.mooncake.alignment, self.platform.accelerator)
-                       for _ in range(ring)]
-        for buf in self._local:
-            self.transport.register(buf)

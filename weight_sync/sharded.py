@@ -1,8 +1,10 @@
 """Weight sync from a sharded trainer: FSDP2 (`fully_shard`: DTensor parameters) on every rank of a
 torch.distributed job, without gathering the model.
 
-Every rank calls `push_sharded(model, version, sync)`; rank 0 passes its `WeightSync` (it talks to
-the servers: open, prepare, two-phase commit, exactly as `WeightSync.push`), the other ranks None.
+Every rank calls `push_sharded(model, version, sync, state=state)`; rank 0 passes its `WeightSync`
+(it talks to the servers: open, prepare, two-phase commit, exactly as `WeightSync.push`), the other
+ranks None; each rank passes its own `RankState` (what it keeps between pushes: its transfer
+engine and registered buffer, its delta base), the same one at every push.
 
 `direct` (the default): each rank writes what it holds straight into the servers' staging slots.
 A parameter sharded on dim 0 (FSDP2's layout) is a contiguous run of rows of the full tensor, so a
@@ -33,18 +35,20 @@ import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Callable
 
 import torch
 
 from weight_sync import named_weights
 from platforms import MooncakeArgs
-from weight_sync.bucket import (Bucket, TensorSpec, _copy_hashed, as_bytes, digest, format_parts_digest,
+from weight_sync.bucket import (Bucket, TensorSpec, as_bytes, copy_hashed, digest, format_parts_digest,
                                 host_buffer, plan_buckets, to_host)
 from weight_sync.delta import DeltaBase, apply_diff, diff_piece, width, write_delta
 from weight_sync.clients import ReceiverCallError
 from weight_sync.fanout import TRAINER, Fanout, Hop, tree_parents
 from weight_sync.protocol import Encoding, InFlight, UpdateRef
-from weight_sync.sender import PushStats, WeightSync, WeightSyncError, _Peer, check_weights
+from weight_sync.sender import Peer, PushStats, WeightSync, WeightSyncError, check_weights
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -89,7 +93,7 @@ class _GatherPush:
     def push(self, version: int, inflight: InFlight) -> PushStats:
         return self.sync.run_update(version, inflight, self._stage)
 
-    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+    def _stage(self, staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         self._dtypes = check_weights(self.tensors, specs)
         plan = self.sync.plan(specs, stats)
         self._last = {p.name: b.index for b in plan for p in b.pieces}
@@ -144,11 +148,13 @@ def _src(group) -> int:
 
 
 def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: InFlight | str = InFlight.CONTINUE,
-                 mode: str = "direct", group=None) -> PushStats:
+                 mode: str = "direct", group=None, state: RankState | None = None) -> PushStats:
     """Push a sharded model's weights as `version`; call it on every rank, with rank 0's WeightSync
     on rank 0 and None elsewhere, and the same `mode` everywhere (direct | gather, see above).
-    Returns the push's stats on every rank (the others get rank 0's summary), or raises
-    WeightSyncError on every rank."""
+    `state`: this rank's RankState, the same one at every push (its delta base, and on the other
+    ranks its transfer engine); without one the push keeps nothing for the next (the rank sends
+    no deltas, and starts and closes an engine of its own). Returns the push's stats on every rank
+    (the others get rank 0's summary), or raises WeightSyncError on every rank."""
     if mode not in MODES:
         raise ValueError(f"push_sharded: mode={mode!r} is not one of {', '.join(MODES)}")
     rank = torch.distributed.get_rank(group)
@@ -156,13 +162,25 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
         raise ValueError(f"push_sharded on rank {rank}: rank 0 passes its WeightSync, the other ranks None "
                          f"(got {'one' if sync is not None else 'None'})")
     tensors = named_weights(model)
-    if rank != 0:
-        return _follow(tensors, mode, group)
+    own = state is None
+    state = RankState() if own else state
+    try:
+        if rank != 0:
+            return _follow(tensors, mode, group, state)
+        return _lead(sync, tensors, version, inflight, mode, group, state)
+    finally:
+        if own:
+            state.close()
+
+
+def _lead(sync: WeightSync, tensors: dict[str, torch.Tensor], version: int, inflight: InFlight | str, mode: str, group,
+          state: RankState) -> PushStats:
+    """Rank 0: the push, every other rank told what to do and how it ended."""
     announce((Say.PLAN, mode), group)
     t0 = time.perf_counter()
     try:
         if mode == "direct":
-            stats = _DirectPush(sync, tensors, group).push(version, InFlight(inflight))
+            stats = _DirectPush(sync, tensors, group, state).push(version, InFlight(inflight))
         else:
             stats = _GatherPush(sync, tensors, group).push(version, InFlight(inflight))
     except BaseException as e:
@@ -172,13 +190,13 @@ def push_sharded(model, version: int, sync: WeightSync | None = None, inflight: 
             pass
         raise
     announce((Say.DONE, {"version": stats.version, "bytes": stats.bytes, "buckets": stats.buckets,
-                   "seconds": time.perf_counter() - t0, "serving": stats.serving, "update_id": sync._ref.update_id,
+                   "seconds": time.perf_counter() - t0, "serving": stats.serving, "update_id": sync.update_id,
                    "wire_bytes": stats.wire_bytes, "modes": stats.modes, "changed_fraction": stats.changed_fraction}),
              group)
     return stats
 
 
-def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
+def _follow(tensors: dict[str, torch.Tensor], mode: str, group, state: RankState) -> PushStats:
     """A rank other than 0: do what rank 0 says, bucket by bucket, until it says how it ended."""
     kind, body = listen(group)
     if kind is Say.FAILED:
@@ -202,8 +220,8 @@ def _follow(tensors: dict[str, torch.Tensor], mode: str, group) -> PushStats:
             specs, bucket_bytes, timeout_s, mooncake, delta = body
             specs = [TensorSpec(*s) for s in specs]
             writer = _RankWriter(tensors, group, plan_buckets(specs, bucket_bytes), check_weights(tensors, specs),
-                                 bucket_bytes, timeout_s, mooncake=mooncake,
-                                 base=_rank_base(specs) if delta else None)
+                                 bucket_bytes, timeout_s, partial(state.writer, mooncake=mooncake),
+                                 base=state.base(specs) if delta else None)
         elif kind is Say.WRITE:
             k, targets, delta_base = body
             _gather(writer.write(k, targets, delta_base), group)
@@ -233,52 +251,55 @@ def _shard0_rows(t) -> tuple[int, int] | None:
     return (start, end) if t.to_local().shape[0] == end - start else None
 
 
-_WRITERS: dict[str, tuple[Transport, torch.Tensor]] = {}   # a rank's engine and buffer, by its host
-_BASES: dict[tuple[TensorSpec, ...], DeltaBase] = {}       # a rank's bytes as last pushed, by model (delta)
+class RankState:
+    """What one rank keeps from one sharded push to the next: its delta bases (its own bytes of every
+    tensor as the last committed push wrote them, by model) and, on a rank other than 0, its transfer
+    engine and registered buffer (by the address it writes from; rank 0 writes with its WeightSync's).
+    Each rank makes one and passes it to every push_sharded call; two in one process share nothing."""
 
+    def __init__(self):
+        self._bases: dict[tuple[TensorSpec, ...], DeltaBase] = {}
+        self._writers: dict[str, tuple[Transport, torch.Tensor]] = {}
 
-def _rank_base(specs: list[TensorSpec]) -> DeltaBase:
-    """This process's delta base for the model of these specs: its own bytes of every tensor as the
-    last committed push wrote them, kept between pushes (the ranks have no object that lasts)."""
-    return _BASES.setdefault(tuple(specs), DeltaBase())
+    def base(self, specs: list[TensorSpec]) -> DeltaBase:
+        """The delta base for the model of these specs."""
+        return self._bases.setdefault(tuple(specs), DeltaBase())
 
-
-def _rank_transport(toward: str, nbytes: int, sync: WeightSync | None,
-                    mooncake: MooncakeArgs) -> tuple[Transport, torch.Tensor]:
-    """This rank's transfer engine and a registered buffer of at least `nbytes`, kept for the next
-    pushes: on rank 0 its WeightSync's engine (the buffer lives and goes with the WeightSync), on
-    the others one engine per process, on the address that routes toward the servers, started as
-    rank 0's (`mooncake`: protocol, devices, alignment)."""
-    if sync is not None:
-        transport, buf = sync.transport, getattr(sync, "_direct_buffer", None)
-    else:
+    def writer(self, toward: str, nbytes: int, mooncake: MooncakeArgs) -> tuple[Transport, torch.Tensor]:
+        """This rank's transfer engine and a registered buffer of at least `nbytes`, kept for the
+        next pushes: one engine per address, the one that routes toward the servers (`toward`),
+        started as rank 0's (`mooncake`: protocol, devices, alignment)."""
         from weight_sync.transports.mooncake import open_mooncake, routable_host
         host = routable_host(toward.rsplit(":", 1)[0])
-        transport, buf = _WRITERS[host] if host in _WRITERS else (
+        transport, buf = self._writers[host] if host in self._writers else (
             open_mooncake(host, mooncake.protocol, mooncake.device_name), None)
-    if buf is None or buf.numel() < nbytes:
-        if buf is not None:
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                transport.unregister(buf.data_ptr())
+            buf = host_buffer(nbytes, mooncake.alignment)
+            transport.register(buf)
+        self._writers[host] = (transport, buf)
+        return transport, buf
+
+    def close(self) -> None:
+        """Unregister the buffers and close the engines this state started."""
+        for transport, buf in self._writers.values():
             transport.unregister(buf.data_ptr())
-        buf = host_buffer(nbytes, mooncake.alignment)
-        transport.register(buf)
-    if sync is not None:
-        sync._direct_buffer = buf
-    else:
-        _WRITERS[host] = (transport, buf)
-    return transport, buf
+            transport.close()
+        self._writers.clear()
 
 
 class _RankWriter:
     """One rank's part of a direct push: its bytes of each bucket, packed and hashed into its local
-    buffer, written to their offsets in every server's slot."""
+    buffer, written to their offsets in every server's slot. `engine(toward, nbytes)`: the rank's
+    transfer engine and a registered buffer of at least nbytes (toward: a server's address)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor], group, plan: list[Bucket], dtypes: dict[str, torch.dtype],
-                 bucket_bytes: int, timeout_s: float, sync: WeightSync | None = None,
-                 mooncake: MooncakeArgs | None = None, base: DeltaBase | None = None):
+                 bucket_bytes: int, timeout_s: float, engine: Callable[[str, int], tuple[Transport, torch.Tensor]],
+                 base: DeltaBase | None = None):
         self.tensors, self.group, self.plan, self.dtypes = tensors, group, plan, dtypes
         self.base = base                     # delta sync: this rank's bytes as the last push left them
-        self.bucket_bytes, self.timeout_s, self.sync = bucket_bytes, timeout_s, sync
-        self.mooncake = mooncake or sync.mooncake
+        self.bucket_bytes, self.timeout_s, self.engine = bucket_bytes, timeout_s, engine
         self.rank = torch.distributed.get_rank(group)
         self._dtensor = _dtensor_type()
         self._last = {p.name: b.index for b in self.plan for p in b.pieces}
@@ -319,7 +340,7 @@ class _RankWriter:
         the bytes this rank sent, and (elements changed, compared)."""
         bucket = self.plan[k]
         room = self.bucket_bytes + 8 * max(len(b.pieces) for b in self.plan)    # ranges start 8-aligned
-        transport, buf = _rank_transport(targets[0][0] if targets else "127.0.0.1", room, self.sync, self.mooncake)
+        transport, buf = self.engine(targets[0][0] if targets else "127.0.0.1", room)
         delta = delta_base is not None and self.base is not None and self.base.update_id == delta_base
         parts, ops, at, changed = [], [], 0, [0, 0]
         for p in bucket.pieces:
@@ -360,7 +381,7 @@ class _RankWriter:
                 n = write_delta([d], out)
                 apply_diff(d, old)
                 return (offset, hi - lo, digest(new), n), n
-        h = _copy_hashed([(out[:hi - lo], new)])
+        h = copy_hashed([(out[:hi - lo], new)])
         if old is not None:
             old.copy_(new)
         return (offset, hi - lo, h), hi - lo
@@ -378,8 +399,8 @@ class _DirectPush:
     """Rank 0's side of a direct push: WeightSync's open, prepare and commit around buckets every
     rank writes."""
 
-    def __init__(self, sync: WeightSync, tensors: dict[str, torch.Tensor], group):
-        self.sync, self.tensors, self.group = sync, tensors, group
+    def __init__(self, sync: WeightSync, tensors: dict[str, torch.Tensor], group, state: RankState):
+        self.sync, self.tensors, self.group, self.state = sync, tensors, group, state
         self.base: DeltaBase | None = None
 
     def push(self, version: int, inflight: InFlight) -> PushStats:
@@ -390,23 +411,23 @@ class _DirectPush:
                 self.base.forget()
             raise
         if self.base is not None:
-            self.base.update_id = self.sync._ref.update_id
+            self.base.update_id = self.sync.update_id
         return stats
 
-    def _stage(self, staging: list[_Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+    def _stage(self, staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
         sync = self.sync
         dtypes = check_weights(self.tensors, specs)
         plan = sync.plan(specs, stats)
         wire = [(s.name, s.dtype, s.shape) for s in specs]
         delta = sync.base is not None
         announce((Say.SPECS, (wire, sync.bucket_bytes, sync.timeout_s, sync.mooncake, delta)), self.group)
-        self.base = _rank_base(specs) if delta else None
-        writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s, sync,
-                             base=self.base)
+        self.base = self.state.base(specs) if delta else None
+        writer = _RankWriter(self.tensors, self.group, plan, dtypes, sync.bucket_bytes, sync.timeout_s,
+                             lambda toward, nbytes: (sync.transport, sync.direct_buffer(nbytes)), base=self.base)
         self._stream(staging, writer, ref, stats)
         stats.peak_gathered_bytes = writer.peak_gathered_bytes
 
-    def _delta_base(self, peers: list[_Peer], stats: PushStats) -> str | None:
+    def _delta_base(self, peers: list[Peer], stats: PushStats) -> str | None:
         """The update the ranks send deltas against: theirs, when every server serves it (a rank
         still sends whole what its own base does not hold); else None, whole everywhere."""
         base = self.base.update_id if self.base is not None else None
@@ -415,7 +436,7 @@ class _DirectPush:
             stats.modes[p.name] = "delta" if delta_base else "full"
         return delta_base
 
-    def _collect(self, bucket: Bucket, results: list, live: list[_Peer], delta_base: str | None, stats: PushStats,
+    def _collect(self, bucket: Bucket, results: list, live: list[Peer], delta_base: str | None, stats: PushStats,
                  changed: list[int]) -> tuple[str, dict | None]:
         """Every rank's report of a bucket: counted, its failed writes' servers dropped; returns the
         bucket's parts digest and its apply fields (a delta's, when a range went as one)."""
@@ -428,19 +449,19 @@ class _DirectPush:
             stats.egress_bytes += sent
             stats.egress_by_rank[rank] += sent
             for i, why in failed.items():
-                self.sync._drop(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
+                self.sync.drop_peer(live[i], ReceiverCallError(live[i].name, f"transfer failed: {why}"))
         deltas = any(len(part) > 3 for part in parts)
         stats.delta_buckets += deltas
         return (format_parts_digest(parts, bucket.nbytes),
                 dict(encoding=Encoding.DELTA, base_update=delta_base) if deltas else None)
 
-    def _stream(self, peers: list[_Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
+    def _stream(self, peers: list[Peer], writer: _RankWriter, ref: UpdateRef, stats: PushStats) -> None:
         sync, n = self.sync, self.sync.num_slots
         written: dict[int, set[int]] = {}      # bucket -> the servers the ranks wrote it into
         delta_base = self._delta_base(peers, stats)
         changed = [0, 0]
 
-        def hop_write(peer: _Peer, local_slot: int, k: int, nbytes: int) -> None:
+        def hop_write(peer: Peer, local_slot: int, k: int, nbytes: int) -> None:
             """The fan-out's trainer -> server write: the ranks did it already, into the servers
             the trainer feeds. A server the trainer takes over (its relay was lost) cannot get
             the bucket from the ranks again (they are on the next one): it leaves this push."""
@@ -448,7 +469,7 @@ class _DirectPush:
                 raise ReceiverCallError(peer.name, f"its relay was lost with bucket {k}, which the trainer's ranks "
                                                    f"wrote only into the servers they feed (direct sharded push)")
 
-        hop = Hop(hop_write, sync._drop, sync.timeout_s, 0)
+        hop = Hop(hop_write, sync.drop_peer, sync.timeout_s, 0)
         t = time.perf_counter()
         with ThreadPoolExecutor(Fanout.pool_size(len(peers), n), thread_name_prefix="weight-sync-sharded") as pool:
             # A ring of num_slots "local" slots: bucket k starts once bucket k - num_slots has been

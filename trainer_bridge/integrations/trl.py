@@ -105,13 +105,14 @@ class RiptideWeightSync(TrainerCallback):
 
     def __init__(self, backend: RolloutBackend | None, close_at_end: bool = True, manager: bool = False):
         self.backend, self.close_at_end, self.manager = backend, close_at_end, manager
+        self.sharded = None      # an FSDP2 rank other than the backend's: its sharded.RankState, from its first push
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from weight_sync import sharded
         if self.backend is not None and self.backend.sync is None:
             self.backend.start(unwrap(model), version=state.global_step, manager=self.manager)
         elif self.backend is None and sharded.is_sharded(unwrap(model)):
-            sharded.push_sharded(unwrap(model), state.global_step)   # the main rank's first push, sharded
+            self.push_shard(unwrap(model), state.global_step)    # the main rank's first push, sharded
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.push(unwrap(model), state.global_step)
@@ -126,7 +127,13 @@ class RiptideWeightSync(TrainerCallback):
             if self.backend.version != version:
                 self.backend.push_weights(model, version)
         elif sharded.is_sharded(model):          # an FSDP2 rank other than the backend's: its shard
-            sharded.push_sharded(model, version)
+            self.push_shard(model, version)
+
+    def push_shard(self, model, version: int) -> None:
+        """This rank's part of a sharded push (its RankState kept from one push to the next)."""
+        from weight_sync import sharded
+        self.sharded = self.sharded or sharded.RankState()
+        sharded.push_sharded(model, version, state=self.sharded)
 
 
 class _NoVLLM:

@@ -76,11 +76,12 @@ class Lead:
 def follow(model, trainer, first_step: int) -> None:
     """Ranks 1..k-1: the first push (the backend's start), then what rank 0 says until it says stop."""
     from weight_sync.sender import WeightSyncError
-    from weight_sync.sharded import push_sharded
+    from weight_sync.sharded import RankState, push_sharded
+    state = RankState()                   # this rank's engine and delta base, kept between pushes
 
     def push(version: int) -> None:
         try:
-            push_sharded(model, version)
+            push_sharded(model, version, state=state)
         except WeightSyncError as e:      # rank 0 decides what a failed push means for the job
             log.warning("rank %d: %s", trainer.rank, e)
 
