@@ -302,7 +302,10 @@ class RolloutBackend:
         from weight_sync.sender import CommitIncomplete
         try:
             inflight = at_commit(self.cfg.rollout.update_policy)
-            if lora.is_adapted(model):       # a peft model: the weights it computes with, by the base's names
+            if lora.is_adapted(model) and self.cfg.weight_sync.adapter_only:     # a peft model: its adapter alone
+                adapter, scales = lora.adapter_tensors(model)
+                return self.sync.push_adapter(adapter, scales, lora.base_weights(model), version, inflight=inflight)
+            if lora.is_adapted(model):       # the weights it computes with, by the base's names
                 model = lora.merged_weights(model)
             if sharded.is_sharded(model):    # FSDP2: rank 0 here; every other rank calls push_sharded(model, version)
                 self.sharded = self.sharded or sharded.RankState()

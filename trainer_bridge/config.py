@@ -273,6 +273,8 @@ class WeightSyncConfig:
                         "compared with the buckets of a push: a relay sends every byte once per child)")
     min_fraction: float = f(0.5, "a push commits on the servers that remain while at least this share of the "
                                  "fleet does; lost ones are evicted (1.0: all or none)")
+    adapter_only: bool = f(True, "a LoRA (peft) model's pushes carry its adapter alone, which every server merges "
+                                 "into the base it holds (false: the merged weights, a whole push)")
     delta: bool = f(False, "send each push after the first as the weights that changed, to every server that "
                            "serves the trainer's last push exactly (the rest get the whole weights); costs one copy "
                            "of the model in the servers' dtype on the trainer")

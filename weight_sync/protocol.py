@@ -36,10 +36,19 @@ class UpdateRef(BaseModel):
     update_id: str = Field(min_length=1)
 
 
+class AdapterMsg(BaseModel):
+    """An adapter-only update (LoRA): for each adapted module m, `m.lora_A` [r, in] and `m.lora_B`
+    [out, r] (the tensors the update streams, named in `specs`), which the receiver merges into the
+    base it keeps: m.weight = base m.weight + lora_B @ lora_A * scales[m]."""
+    specs: list[SpecMsg]
+    scales: dict[str, float]
+
+
 class OpenRequest(UpdateRef):
     bucket_bytes: int = Field(gt=0)
     num_slots: int = Field(ge=1, le=8)
     sender: str                        # the sender's transport session, for the receiver's logs
+    adapter: AdapterMsg | None = None  # an adapter-only update (None: the weights themselves)
 
 
 class OpenReply(BaseModel):
@@ -48,6 +57,8 @@ class OpenReply(BaseModel):
     specs: list[SpecMsg]               # what the receiver needs, in plan order
     current_version: int
     live_update: str | None = None     # the update whose weights serve now, exactly (None: loaded otherwise)
+    base_digest: str | None = None     # adapter updates: live_digest of the base the adapter merges into
+    base_specs: list[SpecMsg] = []     # ... over these tensors (names, dtypes, shapes), for the sender's check
 
 
 class Target(BaseModel):
@@ -88,6 +99,7 @@ class CommitReply(BaseModel):
     version: int
     stall_seconds: float
     aborted_requests: int = 0
+    merge_seconds: float = 0.0         # adapter updates: the merge into the base (at prepare)
 
 
 class PushToRequest(BaseModel):

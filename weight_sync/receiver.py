@@ -42,10 +42,10 @@ import torch
 from platforms import platform_of
 from weight_sync import live_digest
 from weight_sync.audit import AuditLog
-from weight_sync.bucket import Bucket, TensorSpec, host_buffer, is_parts_digest, plan_buckets, unpack_verified
+from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, is_parts_digest, plan_buckets, unpack_verified
 from weight_sync.delta import DeltaError, restore, unpack_delta, unpack_parts
-from weight_sync.protocol import (ApplyReply, ApplyRequest, CommitReply, CommitRequest, Encoding, ErrorKind,
-                                  InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
+from weight_sync.protocol import (AdapterMsg, ApplyReply, ApplyRequest, CommitReply, CommitRequest, Encoding,
+                                  ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.transports import Transport, TransportError, WriteOp
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,41 @@ class _Update:
     paused_at: float | None = None          # in-place mode: when the engine was paused
     base: str | None = None                 # the update serving at open: what a delta applies onto
     prepare: PrepareRequest | None = None
+    adapter: AdapterMsg | None = None       # an adapter-only update: `targets` hold its tensors until the merge
+    merge_s: float = 0.0
 
     @property
     def version(self) -> int:
         return self.ref.version
+
+
+@dataclass
+class _LoraBase:
+    """What adapter updates merge into: the adapted modules' weights as they served when the first
+    adapter update opened (kept apart, so every version is base + its own adapter, never a merge onto
+    a merge), and the live_digest of all the weights then, which the sender checks against its base."""
+    weights: dict[str, torch.Tensor]
+    digest: str
+    specs: list[SpecMsg]
+    confirmed: bool = False                 # an adapter update committed onto it
+
+
+def adapter_problems(specs: list[TensorSpec], scales: dict[str, float], live: dict[str, torch.Tensor]) -> list[str]:
+    """What is wrong with an adapter update's tensors for these weights (nothing: [])."""
+    by_name, out = {s.name: s for s in specs}, []
+    for m in scales:
+        a, b, w = by_name.get(f"{m}.lora_A"), by_name.get(f"{m}.lora_B"), live.get(f"{m}.weight")
+        if w is None:
+            out.append(f"{m}: this server has no weight {m}.weight")
+        elif a is None or b is None:
+            out.append(f"{m}: needs both {m}.lora_A and {m}.lora_B")
+        elif len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[1] or \
+                (b.shape[0], a.shape[1]) != tuple(w.shape):
+            out.append(f"{m}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not make {list(w.shape)}")
+    extra = sorted(set(by_name) - {f"{m}.lora_{x}" for m in scales for x in "AB"})
+    if extra:
+        out.append(f"tensors of no adapted module: {extra[:3]}")
+    return out
 
 
 class Receiver:
@@ -121,6 +152,7 @@ class Receiver:
         self._next_set = 0
         self._retired_slots: list[torch.Tensor] = []   # registered once: never freed (see module doc)
         self._shadow: dict[str, torch.Tensor] | None = None
+        self._lora_base: _LoraBase | None = None
         self._update: _Update | None = None
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._served: tuple[int, str] | None = None    # (version, live_digest of the weights serving it)
@@ -166,15 +198,17 @@ class Receiver:
                 log.warning("update %s (version %d, %s) superseded by %s (version %d) from %s", staged.ref.update_id,
                             staged.version, staged.stage.value, req.update_id, req.version, req.sender)
                 self._end(staged, Stage.ABORTED)
-            specs = self.specs()
+            specs, targets = self._adapter_targets(req.adapter) if req.adapter else (self.specs(), self._targets())
             plan = plan_buckets(specs, req.bucket_bytes)
             slots = self._take_slots(max(b.nbytes for b in plan), req.num_slots)
             base = self.live_update()
-            self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, self._targets(), slots,
-                                   base=base)
+            self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, targets, slots,
+                                   base=base, adapter=req.adapter)
+            lora = self._lora_base if req.adapter else None
             return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in slots],
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
-                             current_version=current, live_update=base)
+                             current_version=current, live_update=base, base_digest=lora and lora.digest,
+                             base_specs=lora.specs if lora else [])
 
     def apply(self, req: ApplyRequest) -> ApplyReply:
         """Copy bucket `req.bucket` out of staging slot `req.slot` into the update's targets and check
@@ -224,6 +258,8 @@ class Receiver:
                                                           f"buckets not staged and verified")
             if update.stage is Stage.PREPARED:
                 return
+            if update.adapter is not None:
+                self._merge(update)
             update.stage, update.prepare = Stage.PREPARED, req
             # Nothing can write the targets any more (no slot of this update is copied again), so
             # the update that is prepared is exactly what the applies verified.
@@ -251,6 +287,8 @@ class Receiver:
                 stall = time.perf_counter() - (update.paused_at or time.perf_counter())
                 self._set_torn(False)
             self._committed.append(req.update_id)
+            if update.adapter is not None:
+                self._lora_base.confirmed = True
             self._live = (req.update_id, req.version, self._address())
             self._end(update, Stage.COMMITTED)
             if self.commit_log is not None:
@@ -258,7 +296,8 @@ class Receiver:
                 self.commit_log.write(kind="commit", server=self.name, version=req.version,
                                       update_id=req.update_id, t_start=t_start, t_end=t_end,
                                       digest=live_digest(self.engine.parameters()))
-            return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted)
+            return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted,
+                               merge_seconds=update.merge_s)
 
     def abort(self, ref: UpdateRef) -> None:
         with self._lock:
@@ -317,6 +356,49 @@ class Receiver:
         if got != req.digest and undo:
             restore(undo)
         return got
+
+    # ---- adapter updates ---------------------------------------------------------------------------
+    def _adapter_targets(self, msg: AdapterMsg) -> tuple[list[TensorSpec], dict[str, torch.Tensor]]:
+        """An adapter update's tensors, checked against the weights they adapt, and the buffers they
+        are staged into; the base they merge into is taken from what serves at the first one."""
+        live = self.engine.parameters()
+        if not self.engine.has_weights or self.torn:
+            raise ReceiverError(ErrorKind.BASE, "no whole weights to merge an adapter into: push the base model first")
+        specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in msg.specs]
+        problems = adapter_problems(specs, msg.scales, live)
+        if problems:
+            raise ReceiverError(ErrorKind.STATE, "adapter update refused: " + "; ".join(problems[:3]))
+        adapted = {f"{m}.weight" for m in msg.scales}
+        base = self._lora_base
+        if base is not None and set(base.weights) != adapted:
+            if base.confirmed:
+                raise ReceiverError(ErrorKind.BASE, f"this adapter adapts {len(adapted)} modules, the adapters merged "
+                                                    f"here {len(base.weights)}: other ones; push the whole weights")
+            base = None
+        if base is None:
+            base = self._lora_base = _LoraBase(
+                {n: live[n].detach().clone() for n in sorted(adapted)}, live_digest(live),
+                [SpecMsg(name=n, dtype=str(p.dtype).removeprefix("torch."), shape=list(p.shape)) for n, p in live.items()])
+        return specs, {s.name: torch.empty(s.shape, dtype=DTYPES[s.dtype], device=self._device()) for s in specs}
+
+    def _merge(self, update: _Update) -> None:
+        """An adapter update's weights: each adapted module's kept base plus lora_B @ lora_A * its scale
+        (in fp32, as peft merges, rounded once to the served dtype), into the shadow set with every
+        other tensor copied from what serves, or in place into the live weights (the engine paused)."""
+        t = time.perf_counter()
+        live, out, adapter, base = self.engine.parameters(), self._targets(), update.targets, self._lora_base.weights
+        if not self.shadow and update.paused_at is None:
+            self.engine.pause()
+            update.paused_at = time.perf_counter()
+            self._set_torn(True)
+        for name, dst in out.items():
+            if name in base:
+                m = name.removesuffix(".weight")
+                delta = (adapter[f"{m}.lora_B"].float() @ adapter[f"{m}.lora_A"].float()) * update.adapter.scales[m]
+                dst.copy_(base[name].float() + delta)
+            elif self.shadow:
+                dst.copy_(live[name])
+        update.targets, update.merge_s = out, time.perf_counter() - t
 
     # ---- learning the outcome from peers ----------------------------------------------------------
     def _await_outcome(self, update: _Update) -> None:
@@ -386,6 +468,9 @@ class Receiver:
 
     def _end(self, update: _Update, stage: Stage) -> None:
         update.stage = stage
+        if stage is Stage.ABORTED and update.adapter is not None and self._lora_base is not None \
+                and not self._lora_base.confirmed:
+            self._lora_base = None           # taken for this update only: the next looks at what serves then
         self._release_slots(update)
         if self._update is update:
             self._update = None

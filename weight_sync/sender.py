@@ -34,8 +34,8 @@ from weight_sync.bucket import DTYPES, Bucket, TensorSpec, pack, plan_buckets
 from weight_sync.clients import HttpReceiverClient, ReceiverCallError
 from weight_sync.fanout import AUTO, tree_parents
 from weight_sync.delta import DeltaBase
-from weight_sync.protocol import (CommitRequest, Encoding, ErrorKind, InFlight, OpenReply, OpenRequest, PrepareRequest,
-                                  UpdateRef)
+from weight_sync.protocol import (AdapterMsg, CommitRequest, Encoding, ErrorKind, InFlight, OpenReply, OpenRequest,
+                                  PrepareRequest, SpecMsg, UpdateRef)
 from weight_sync.streaming import Streamer
 from weight_sync.transports import Transport
 
@@ -92,6 +92,8 @@ class PushStats:
     wire_bytes: int = 0            # bytes of the update as it travelled to each receiver, summed over the passes
     delta_buckets: int = 0         # buckets sent as deltas (others went whole)
     changed_fraction: float | None = None   # elements changed / compared, over the delta buckets
+    merge_s: float = 0.0           # adapter pushes: the slowest receiver's merge into its base
+    model_bytes: int = 0           # adapter pushes: the whole weights' bytes as the receivers hold them
 
     @property
     def wire_fraction(self) -> float:
@@ -166,6 +168,7 @@ class WeightSync:
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="weight-sync")
         self.base = DeltaBase() if delta else None
         self.audit_log = audit_log
+        self._base_digests: dict[tuple, str | None] = {}    # push_adapter: a base's digest, by model and tensors
 
     def _client(self, receiver):
         return HttpReceiverClient(receiver, self.timeout_s, self.api_key) if isinstance(receiver, str) else receiver
@@ -234,6 +237,49 @@ class WeightSync:
         self._based(staged)
         return stats
 
+    def push_adapter(self, adapter: Mapping[str, torch.Tensor], scales: Mapping[str, float],
+                     base: Mapping[str, torch.Tensor], version: int,
+                     inflight: InFlight | str = InFlight.CONTINUE) -> PushStats:
+        """A LoRA adapter alone as `version` (`m.lora_A`, `m.lora_B` of each adapted module m, and
+        its scale): every receiver merges it into the base it keeps (receiver.py), so each version
+        serves base + its own adapter, with a full push's guarantees (digests, the two-phase commit,
+        fencing). `base`: the frozen weights the adapter was trained on, by checkpoint name; each
+        receiver's base is checked against them (live_digest in its dtypes) before any byte of the
+        adapter moves, and a receiver that holds another fails the push everywhere."""
+        tensors = {n: t.detach() for n, t in adapter.items()}
+        msg = AdapterMsg(specs=[SpecMsg(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+                                for n, t in tensors.items()], scales=dict(scales))
+
+        def stage(staging: list[Peer], specs: list[TensorSpec], ref: UpdateRef, stats: PushStats) -> None:
+            stats.model_bytes = self._check_base(staging, base)
+            for p in staging:
+                stats.modes[p.name] = "adapter"
+            self.stream(staging, self.plan(specs, stats), self._sources(tensors, specs), ref, stats, direct=True)
+            stats.wire_bytes = stats.bytes
+        if self.base is not None:
+            self.base.forget()       # what serves from here is base + adapter: the next whole push goes whole
+        return self.run_update(version, InFlight(inflight), stage, adapter=msg)
+
+    def _check_base(self, staging: list[Peer], base: Mapping[str, torch.Tensor]) -> int:
+        """Each receiver's base against `base` (a digest per model the receivers hold, kept while
+        `base`'s tensors stay as they are); the whole weights' bytes."""
+        model_bytes = 0
+        for p in staging:
+            specs = tuple(TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in p.reply.base_specs)
+            key = (specs, tuple((n, t.data_ptr(), t._version) for n, t in sorted(base.items())))
+            if key not in self._base_digests:
+                try:
+                    dtypes = check_weights(base, list(specs))
+                    self._base_digests[key] = live_digest({s.name: base[s.name].detach().to(dtypes[s.name])
+                                                           for s in specs})
+                except WeightSyncError:
+                    self._base_digests[key] = None
+            if self._base_digests[key] is None or self._base_digests[key] != p.reply.base_digest:
+                raise WeightSyncError(f"{p.name} holds another base model than this adapter's: an adapter-only push "
+                                      f"applies onto the weights it was trained on; push those whole first")
+            model_bytes = max(model_bytes, sum(s.nbytes for s in specs))
+        return model_bytes
+
     def _based(self, staged: list[str]) -> None:
         """The update that staged (and so committed) is the base of the next delta."""
         if self.base is not None and staged:
@@ -272,7 +318,8 @@ class WeightSync:
         return plan
 
     def run_update(self, version: int, inflight: InFlight, stage,
-                   digest_as: Callable[[list[TensorSpec]], str] | None = None) -> PushStats:
+                   digest_as: Callable[[list[TensorSpec]], str] | None = None,
+                   adapter: AdapterMsg | None = None) -> PushStats:
         """One update as version `version`: open every receiver, `stage(staging peers, specs, ref,
         stats)` puts every bucket into them verified, then prepare and the two-phase commit. A
         sharded push (sharded.py) stages its own way, inside this same update. Receivers that serve
@@ -283,7 +330,7 @@ class WeightSync:
         stats, t0 = PushStats(version=version), time.perf_counter()
         peers = self._peers = [Peer(c) for c in self.clients]
         try:
-            specs = self._open(peers, ref, stats)
+            specs = self._open(peers, ref, stats, adapter)
             if self.audit_log is not None:
                 self.audit_log.write(kind="push", version=version, update_id=ref.update_id, t=time.time(),
                                      digest=digest_as(specs) if digest_as is not None else None)
@@ -313,10 +360,11 @@ class WeightSync:
             self.transport.close()
 
     # ---- steps -----------------------------------------------------------------------------------
-    def _open(self, peers: list[Peer], ref: UpdateRef, stats: PushStats) -> list[TensorSpec]:
+    def _open(self, peers: list[Peer], ref: UpdateRef, stats: PushStats,
+              adapter: AdapterMsg | None = None) -> list[TensorSpec]:
         t = time.perf_counter()
         req = OpenRequest(**ref.model_dump(), bucket_bytes=self.bucket_bytes, num_slots=self.num_slots,
-                          sender=self.transport.session_id)
+                          sender=self.transport.session_id, adapter=adapter)
 
         def open_one(p: Peer) -> OpenReply | None:
             try:
@@ -381,6 +429,7 @@ class WeightSync:
                     self._pool.submit(self._deliver, p, req)
                 continue
             stats.stall_s[p.name], stats.aborted_requests[p.name] = reply.stall_seconds, reply.aborted_requests
+            stats.merge_s = max(stats.merge_s, reply.merge_seconds)
         stats.commit_s = time.perf_counter() - t
 
     def _deliver(self, peer: Peer, req: CommitRequest) -> None:

@@ -91,6 +91,8 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "time/weight_sync_s": seconds["sync"], "time/push_s": sync.seconds,
            "sync/bytes": sync.bytes, "sync/gbps": sync.gbps, "sync/stall_s": max(sync.stall_s.values(), default=0.0),
            "sync/egress_bytes": sync.egress_bytes, "sync/wire_fraction": sync.wire_fraction,
+           "sync/wire_bytes": sync.wire_bytes, "sync/merge_s": sync.merge_s,
+           **({"sync/adapter_fraction": sync.bytes / sync.model_bytes} if sync.model_bytes else {}),
            "sync/delta_servers": sum(m == "delta" for m in sync.modes.values()),
            **({"sync/changed_fraction": sync.changed_fraction} if sync.changed_fraction is not None else {}),
            **{f"sync/egress_bytes/rank{r}": b for r, b in enumerate(sync.egress_by_rank or [])},

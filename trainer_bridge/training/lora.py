@@ -65,6 +65,37 @@ def merged_weights(model) -> dict[str, torch.Tensor]:
     return out
 
 
+def _adapted_layers(model) -> dict:
+    from peft.tuners.lora import LoraLayer
+    return {name: m for name, m in model.get_base_model().named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def adapter_tensors(model) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """What an adapter-only push sends: `m.lora_A` [r, in] and `m.lora_B` [out, r] of each adapted
+    module m (by the base's module names) and each module's scale, for one active adapter on Linear
+    layers (what the servers merge: m.weight = base + lora_B @ lora_A * scale)."""
+    tensors, scales = {}, {}
+    for name, layer in _adapted_layers(model).items():
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) != 1 or getattr(layer, "fan_in_fan_out", False) or \
+                not isinstance(layer.lora_A[active[0]], torch.nn.Linear):
+            raise ValueError(f"{name}: an adapter-only push takes one active LoRA adapter on a Linear layer "
+                             f"(found {active}); push the merged weights instead (lora.merged_weights)")
+        a = active[0]
+        tensors[f"{name}.lora_A"] = layer.lora_A[a].weight.detach()
+        tensors[f"{name}.lora_B"] = layer.lora_B[a].weight.detach()
+        scales[name] = float(layer.scaling[a])
+    return tensors, scales
+
+
+def base_weights(model) -> dict[str, torch.Tensor]:
+    """The frozen base's weights by its checkpoint names (what the servers must hold for an
+    adapter-only push to apply)."""
+    base = model.get_base_model()
+    return {name.replace(".base_layer.", "."): p.detach() for name, p in base.named_parameters() if "lora_" not in name}
+
+
 def adapter_share(model) -> float:
     """The adapter's parameters as a share of the whole model's."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
