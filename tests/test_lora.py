@@ -2,12 +2,18 @@
 pushed by the base's names, served exactly; a riptide-train job that trains only the adapter."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+
+from tests.test_weight_sync import (fresh_server, greedy, live_digest, reference, stopped, version,  # noqa: F401
+                                    wait_for)
 
 peft = pytest.importorskip("peft", reason="peft is the lora extra (make setup installs it)")
 
@@ -152,3 +158,139 @@ def test_lora_settings_are_checked_before_start():
     cfg.lora.rank, cfg.lora.alpha = 8, 16.0
     with pytest.raises(ConfigError, match=r"trainer.lora.rank=8 with trainer.world_size=2"):
         cfg.validate()
+
+
+# ---- faults on adapter pushes: each leaves every server serving one exact, committed version -----------
+SMALL = 8 << 10      # the tiny model's rank-8 adapter (~60 KB) in ~8 buckets, so a fault lands mid-push
+
+ADAPTER_SENDER = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import torch
+    from transformers import AutoModelForCausalLM
+    from trainer_bridge.training import lora
+    from weight_sync.sender import WeightSync
+    from weight_sync.transports import MooncakeTransport
+
+    class Faulty(MooncakeTransport):
+        writes = 0
+        def write(self, peer, ops, timeout_s):
+            Faulty.writes += 1
+            if Faulty.writes == 4 and sys.argv[4] == "kill":     # a bucket on the wire when the process dies
+                threading.Thread(target=super().write, args=(peer, ops, timeout_s), daemon=True).start()
+                time.sleep(0.001)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if Faulty.writes == 3 and sys.argv[4] == "freeze":   # a few buckets in: stop this whole process
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return super().write(peer, ops, timeout_s)
+
+    model = lora.with_adapters(AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32), 8, 16.0, 0.0, [])
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    adapter, scales = lora.adapter_tensors(model)
+    sync = WeightSync(sys.argv[1].split(","), transport=Faulty(), bucket_bytes=int(sys.argv[3]), timeout_s=10)
+    sync.push_adapter(adapter, scales, lora.base_weights(model), version=1)
+""")
+
+
+class CorruptsWrite:
+    """The real Mooncake transport, plus one wrong byte written into the receiver's slot right after
+    the `nth` write lands: corruption in transit, as the receiver sees it. (Used with zero_copy=False:
+    with zero-copy sources, after another push in this process, the stray byte did not land at all;
+    the update then verified and served exactly, so it was the injection that failed, not the check.
+    Not chased further.)"""
+
+    def __new__(cls, nth: int):
+        from weight_sync.transports import MooncakeTransport, WriteOp
+
+        class _T(MooncakeTransport):
+            def __init__(self):
+                super().__init__()
+                self.count, self.junk = 0, torch.full((1,), 0xAB, dtype=torch.uint8)
+                self.register(self.junk)
+
+            def write(self, peer, ops, timeout_s):
+                super().write(peer, ops, timeout_s)
+                self.count += 1
+                if self.count == nth:
+                    op = ops[0]
+                    super().write(peer, [WriteOp(self.junk.data_ptr(), op.remote_addr + op.length // 2, 1)],
+                                  timeout_s)
+        return _T()
+
+
+def push_adapter_to(urls, model, version, **kw):
+    from trainer_bridge.training import lora
+    from weight_sync.sender import WeightSync
+    sync = WeightSync(list(urls), bucket_bytes=SMALL, **kw)
+    try:
+        adapter, scales = lora.adapter_tensors(model)
+        return sync.push_adapter(adapter, scales, lora.base_weights(model), version)
+    finally:
+        sync.close()
+
+
+def merged_greedy(model):
+    import copy
+    return reference(copy.deepcopy(model).merge_and_unload().eval())
+
+
+def test_a_sender_killed_mid_adapter_push_leaves_the_old_version_serving(fresh_server, tiny_model, tmp_path):
+    a, b = fresh_server(), fresh_server()
+    before, old_out = [live_digest(a.url), live_digest(b.url)], greedy(a.url)["output_ids"]
+    script = tmp_path / "sender.py"
+    script.write_text(ADAPTER_SENDER)
+    proc = subprocess.run([sys.executable, str(script), f"{a.url},{b.url}", tiny_model, str(SMALL), "kill"],
+                          capture_output=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    status = httpx.get(f"{a.url}/weight_sync/status").json()
+    assert status["staged_version"] == 1 and 0 < status["buckets_applied"] < status["buckets"]
+    assert [live_digest(a.url), live_digest(b.url)] == before and version(a.url) == version(b.url) == 0
+    assert greedy(a.url)["output_ids"] == greedy(b.url)["output_ids"] == old_out
+    model = adapted(tiny_model, seed=2)
+    push_adapter_to([a.url, b.url], model, 1)       # a new sender retries the version and wins
+    assert greedy(a.url)["output_ids"] == greedy(b.url)["output_ids"] == merged_greedy(model)
+
+
+def test_a_corrupted_adapter_bucket_is_refused_and_written_again(fresh_server, tiny_model):
+    from trainer_bridge.training import lora
+    from weight_sync.sender import WeightSync
+    srv = fresh_server()
+    model = adapted(tiny_model, seed=4)
+    sync = WeightSync([srv.url], transport=CorruptsWrite(2), bucket_bytes=SMALL, zero_copy=False)
+    try:
+        adapter, scales = lora.adapter_tensors(model)
+        stats = sync.push_adapter(adapter, scales, lora.base_weights(model), 1)
+    finally:
+        sync.close()
+    assert stats.retries == 1 and stats.buckets > 2, stats
+    assert version(srv.url) == 1 and greedy(srv.url)["output_ids"] == merged_greedy(model)
+
+
+def test_a_late_adapter_sender_after_a_newer_commit_never_reaches_what_serves(fresh_server, tiny_model, tmp_path):
+    """A sender frozen (SIGSTOP) mid-push of adapter version 1 wakes after a fresh sender committed
+    adapter version 2: its writes and calls are fenced off, and version 2 serves unchanged."""
+    a, b = fresh_server(), fresh_server()
+    script = tmp_path / "sender.py"
+    script.write_text(ADAPTER_SENDER)
+    zombie = subprocess.Popen([sys.executable, str(script), f"{a.url},{b.url}", tiny_model, str(SMALL), "freeze"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 120), "the sender never froze"
+        model = adapted(tiny_model, seed=5)
+        push_adapter_to([a.url, b.url], model, 2)
+        committed = [live_digest(a.url), live_digest(b.url)]
+        assert committed[0] == committed[1]
+        os.kill(zombie.pid, signal.SIGCONT)
+        out, _ = zombie.communicate(timeout=120)
+        assert zombie.returncode != 0 and b"WeightSyncError" in out, out.decode()[-3000:]
+    finally:
+        if zombie.poll() is None:
+            os.kill(zombie.pid, signal.SIGKILL)
+            os.kill(zombie.pid, signal.SIGCONT)
+            zombie.wait()
+    assert version(a.url) == version(b.url) == 2
+    assert [live_digest(a.url), live_digest(b.url)] == committed
+    assert greedy(a.url)["output_ids"] == merged_greedy(model)
