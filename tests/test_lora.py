@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from tests.test_weight_sync import (fresh_server, greedy, live_digest, reference, stopped, version,  # noqa: F401
-                                    wait_for)
+from tests.test_weight_sync import (fenced_after_newer_commit, fresh_server, greedy, live_digest,  # noqa: F401
+                                    reference, version)
 
 peft = pytest.importorskip("peft", reason="peft is the lora extra (make setup installs it)")
 
@@ -277,20 +277,6 @@ def test_a_late_adapter_sender_after_a_newer_commit_never_reaches_what_serves(fr
     script.write_text(ADAPTER_SENDER)
     zombie = subprocess.Popen([sys.executable, str(script), f"{a.url},{b.url}", tiny_model, str(SMALL), "freeze"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
-    try:
-        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 120), "the sender never froze"
-        model = adapted(tiny_model, seed=5)
-        push_adapter_to([a.url, b.url], model, 2)
-        committed = [live_digest(a.url), live_digest(b.url)]
-        assert committed[0] == committed[1]
-        os.kill(zombie.pid, signal.SIGCONT)
-        out, _ = zombie.communicate(timeout=120)
-        assert zombie.returncode != 0 and b"WeightSyncError" in out, out.decode()[-3000:]
-    finally:
-        if zombie.poll() is None:
-            os.kill(zombie.pid, signal.SIGKILL)
-            os.kill(zombie.pid, signal.SIGCONT)
-            zombie.wait()
-    assert version(a.url) == version(b.url) == 2
-    assert [live_digest(a.url), live_digest(b.url)] == committed
+    model = adapted(tiny_model, seed=5)
+    fenced_after_newer_commit(a, b, zombie, lambda: push_adapter_to([a.url, b.url], model, 2))
     assert greedy(a.url)["output_ids"] == merged_greedy(model)

@@ -374,6 +374,37 @@ def stopped(pid) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
+def wake_and_fail(zombie: subprocess.Popen, timeout_s: float = 120) -> None:
+    """SIGCONT a frozen sender: its update was fenced off, so it ends with a WeightSyncError."""
+    os.kill(zombie.pid, signal.SIGCONT)
+    out, _ = zombie.communicate(timeout=timeout_s)
+    assert zombie.returncode != 0, "the late sender's update cannot commit"
+    assert b"WeightSyncError" in out, out.decode()[-3000:]
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """A sender process this test started, killed (stopped or not) if it still runs."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait()
+
+
+def fenced_after_newer_commit(a, b, zombie: subprocess.Popen, push_newer) -> None:
+    """`zombie`, a sender that freezes mid-push of version 1 to servers a and b, wakes after
+    `push_newer()` committed version 2 there: it fails, and version 2 serves unchanged."""
+    try:
+        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 120), "the sender never froze"
+        push_newer()
+        committed = [live_digest(a.url), live_digest(b.url)]
+        assert committed[0] == committed[1]
+        wake_and_fail(zombie)
+    finally:
+        reap(zombie)
+    assert version(a.url) == version(b.url) == 2
+    assert [live_digest(a.url), live_digest(b.url)] == committed
+
+
 def wait_for(predicate, timeout_s=60.0, every=0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -391,26 +422,14 @@ def test_late_sender_never_reaches_live_weights(fresh_server, tiny_model_v2, hf_
     script.write_text(FREEZING_SENDER)
     zombie = subprocess.Popen([sys.executable, str(script), f"{a.url},{b.url}", tiny_model_v2, str(BUCKET)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        assert wait_for(lambda: zombie.poll() is None and stopped(zombie.pid), 120), "the sender never froze"
+
+    def push_newer():
         sync = sync_to(a.url, b.url)
         try:
             sync.push({n: p + 0.01 for n, p in hf_model.state_dict().items()}, version=2)
         finally:
             sync.close()
-        committed = [live_digest(a.url), live_digest(b.url)]
-        assert committed[0] == committed[1]
-        os.kill(zombie.pid, signal.SIGCONT)
-        out, _ = zombie.communicate(timeout=120)
-        assert zombie.returncode != 0, "the late sender's update cannot commit"
-        assert b"WeightSyncError" in out, out.decode()[-3000:]
-    finally:
-        if zombie.poll() is None:
-            os.kill(zombie.pid, signal.SIGKILL)
-            os.kill(zombie.pid, signal.SIGCONT)
-            zombie.wait()
-    assert version(a.url) == version(b.url) == 2
-    assert [live_digest(a.url), live_digest(b.url)] == committed
+    fenced_after_newer_commit(a, b, zombie, push_newer)
 
 
 class _FreezesAfterPrepare:
