@@ -24,14 +24,10 @@ def adapted(path, seed: int = 1):
     """The tiny model at `path` with a rank-8 adapter whose B is random (a fresh one computes nothing)."""
     from transformers import AutoModelForCausalLM
 
+    from riptide_testing.lora import draw_adapter
     from trainer_bridge.training import lora
-    model = lora.with_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 8, 16.0, 0.0, [])
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return draw_adapter(lora.with_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 8, 16.0,
+                                           0.0, []), seed, 0.1)
 
 
 def test_merged_weights_are_peft_merge_and_unload_by_the_base_names(tiny_model):
@@ -93,6 +89,26 @@ def test_an_adapter_push_moves_the_adapter_alone_and_serves_peft_s_merged_model(
             assert served(backend, PROMPTS, copy.deepcopy(model).merge_and_unload().eval()) < 1e-5
             outs = backend.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 4})
             assert all(set(o.versions) == {version} for o in outs)
+
+
+def test_adapter_versions_after_a_whole_push_are_the_base_plus_their_adapter(tiny_model, tiny_model_v2, tmp_path):
+    """adapter 1, then other whole weights as 2, then adapters 3 and 4: each adapter version serves the
+    base + that adapter (what the trainer computes with), nothing of version 2 left in either weight set."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.backend import RolloutBackend
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_v2, dtype=torch.float32).eval()
+    with RolloutBackend(backend_config(tiny_model, tmp_path)) as backend:
+        backend.start(manager=False)
+        backend.push_weights(adapted(tiny_model, seed=1), 1)
+        backend.sync.push(other, 2)
+        assert served(backend, PROMPTS, other) < 1e-5
+        for version in (3, 4):
+            model = adapted(tiny_model, seed=version)
+            backend.push_weights(model, version)
+            assert served(backend, PROMPTS, copy.deepcopy(model).merge_and_unload().eval()) < 1e-5
 
 
 def test_merged_pushes_of_a_peft_model_serve_the_same(tiny_model, tmp_path):
@@ -161,6 +177,7 @@ def test_lora_settings_are_checked_before_start():
 
 
 # ---- faults on adapter pushes: each leaves every server serving one exact, committed version -----------
+WITH_ROOT = {**os.environ, "PYTHONPATH": str(ROOT)}      # the sender script imports riptide_testing
 SMALL = 8 << 10      # the tiny model's rank-8 adapter (~60 KB) in ~8 buckets, so a fault lands mid-push
 
 ADAPTER_SENDER = textwrap.dedent("""
@@ -183,12 +200,9 @@ ADAPTER_SENDER = textwrap.dedent("""
                 os.kill(os.getpid(), signal.SIGSTOP)
             return super().write(peer, ops, timeout_s)
 
-    model = lora.with_adapters(AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32), 8, 16.0, 0.0, [])
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    from riptide_testing.lora import draw_adapter
+    model = draw_adapter(lora.with_adapters(AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32),
+                                            8, 16.0, 0.0, []), 7, 0.1)
     adapter, scales = lora.adapter_tensors(model)
     sync = WeightSync(sys.argv[1].split(","), transport=Faulty(), bucket_bytes=int(sys.argv[3]), timeout_s=10)
     sync.push_adapter(adapter, scales, lora.base_weights(model), version=1)
@@ -243,7 +257,7 @@ def test_a_sender_killed_mid_adapter_push_leaves_the_old_version_serving(fresh_s
     script = tmp_path / "sender.py"
     script.write_text(ADAPTER_SENDER)
     proc = subprocess.run([sys.executable, str(script), f"{a.url},{b.url}", tiny_model, str(SMALL), "kill"],
-                          capture_output=True, timeout=120, cwd=ROOT)
+                          capture_output=True, timeout=120, cwd=ROOT, env=WITH_ROOT)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     status = httpx.get(f"{a.url}/weight_sync/status").json()
     assert status["staged_version"] == 1 and 0 < status["buckets_applied"] < status["buckets"]
@@ -276,7 +290,8 @@ def test_a_late_adapter_sender_after_a_newer_commit_never_reaches_what_serves(fr
     script = tmp_path / "sender.py"
     script.write_text(ADAPTER_SENDER)
     zombie = subprocess.Popen([sys.executable, str(script), f"{a.url},{b.url}", tiny_model, str(SMALL), "freeze"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env=WITH_ROOT)
     model = adapted(tiny_model, seed=5)
     fenced_after_newer_commit(a, b, zombie, lambda: push_adapter_to([a.url, b.url], model, 2))
     assert greedy(a.url)["output_ids"] == merged_greedy(model)

@@ -104,10 +104,12 @@ class _Update:
 
 @dataclass
 class _LoraBase:
-    """What adapter updates merge into: the adapted modules' weights as they served when the first
-    adapter update opened (kept apart, so every version is base + its own adapter, never a merge onto
-    a merge), and the live_digest of all the weights then, which the sender checks against its base."""
+    """What adapter updates merge into: the weights as they served when the first adapter update
+    opened (a copy, so every version is the base + its own adapter, never a merge onto a merge, nor
+    onto what a whole update brought since), the modules it adapts, and the live_digest of the
+    weights then, which the sender checks against its base."""
     weights: dict[str, torch.Tensor]
+    adapted: set[str]
     digest: str
     specs: list[SpecMsg]
     confirmed: bool = False                 # an adapter update committed onto it
@@ -153,6 +155,9 @@ class Receiver:
         self._retired_slots: list[torch.Tensor] = []   # registered once: never freed (see module doc)
         self._shadow: dict[str, torch.Tensor] | None = None
         self._lora_base: _LoraBase | None = None
+        # which weight set holds the adapter base's tensors outside the adapted modules (what a merge
+        # need not copy again): "live", and in shadow mode "shadow"
+        self._rest_is_base = {"live": False, "shadow": False}
         self._update: _Update | None = None
         self._committed: collections.deque[str] = collections.deque(maxlen=32)   # recent update ids
         self._served: tuple[int, str] | None = None    # (version, live_digest of the weights serving it)
@@ -199,6 +204,8 @@ class Receiver:
                             staged.version, staged.stage.value, req.update_id, req.version, req.sender)
                 self._end(staged, Stage.ABORTED)
             specs, targets = self._adapter_targets(req.adapter) if req.adapter else (self.specs(), self._targets())
+            if req.adapter is None:          # a whole update writes the shadow (in place: the live set)
+                self._rest_is_base["shadow" if self.shadow else "live"] = False
             plan = plan_buckets(specs, req.bucket_bytes)
             slots = self._take_slots(max(b.nbytes for b in plan), req.num_slots)
             base = self.live_update()
@@ -289,6 +296,9 @@ class Receiver:
             self._committed.append(req.update_id)
             if update.adapter is not None:
                 self._lora_base.confirmed = True
+            if self.shadow:                   # the sets swapped
+                r = self._rest_is_base
+                r["live"], r["shadow"] = r["shadow"], r["live"]
             self._live = (req.update_id, req.version, self._address())
             self._end(update, Stage.COMMITTED)
             if self.commit_log is not None:
@@ -369,35 +379,43 @@ class Receiver:
         if problems:
             raise ReceiverError(ErrorKind.STATE, "adapter update refused: " + "; ".join(problems[:3]))
         adapted = {f"{m}.weight" for m in msg.scales}
+        if self.live_update() is None:       # what serves came otherwise (start-up, a reload): nothing known
+            self._rest_is_base = {"live": False, "shadow": False}
         base = self._lora_base
-        if base is not None and set(base.weights) != adapted:
+        if base is not None and base.adapted != adapted:
             if base.confirmed:
                 raise ReceiverError(ErrorKind.BASE, f"this adapter adapts {len(adapted)} modules, the adapters merged "
-                                                    f"here {len(base.weights)}: other ones; push the whole weights")
+                                                    f"here {len(base.adapted)}: other ones; push the whole weights")
             base = None
         if base is None:
+            self._rest_is_base = {"live": True, "shadow": False}
             base = self._lora_base = _LoraBase(
-                {n: live[n].detach().clone() for n in sorted(adapted)}, live_digest(live),
+                {n: t.detach().clone() for n, t in live.items()}, adapted, live_digest(live),
                 [SpecMsg(name=n, dtype=str(p.dtype).removeprefix("torch."), shape=list(p.shape)) for n, p in live.items()])
         return specs, {s.name: torch.empty(s.shape, dtype=DTYPES[s.dtype], device=self._device()) for s in specs}
 
     def _merge(self, update: _Update) -> None:
-        """An adapter update's weights: each adapted module's kept base plus lora_B @ lora_A * its scale
-        (in fp32, as peft merges, rounded once to the served dtype), into the shadow set with every
-        other tensor copied from what serves, or in place into the live weights (the engine paused)."""
+        """An adapter update's weights: each adapted module's base plus lora_B @ lora_A * its scale (in
+        fp32, as peft merges, rounded once to the served dtype) and every other tensor the base's, into
+        the shadow set, or in place into the live weights (the engine paused)."""
         t = time.perf_counter()
-        live, out, adapter, base = self.engine.parameters(), self._targets(), update.targets, self._lora_base.weights
+        written = "shadow" if self.shadow else "live"
+        done, self._rest_is_base[written] = self._rest_is_base[written], True
+        out, adapter, base = self._targets(), update.targets, self._lora_base
         if not self.shadow and update.paused_at is None:
             self.engine.pause()
             update.paused_at = time.perf_counter()
             self._set_torn(True)
         for name, dst in out.items():
-            if name in base:
+            if name in base.adapted:
                 m = name.removesuffix(".weight")
-                delta = (adapter[f"{m}.lora_B"].float() @ adapter[f"{m}.lora_A"].float()) * update.adapter.scales[m]
-                dst.copy_(base[name].float() + delta)
-            elif self.shadow:
-                dst.copy_(live[name])
+                a, b, s = adapter[f"{m}.lora_A"].float(), adapter[f"{m}.lora_B"].float(), update.adapter.scales[m]
+                if dst.dtype == torch.float32:          # one pass: base + s * (B @ A), no temporaries
+                    torch.addmm(base.weights[name], b, a, alpha=s, out=dst)
+                else:
+                    dst.copy_(torch.addmm(base.weights[name].float(), b, a, alpha=s))
+            elif not done:
+                dst.copy_(base.weights[name])   # the base's, unless this set holds it already
         update.targets, update.merge_s = out, time.perf_counter() - t
 
     # ---- learning the outcome from peers ----------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Adapter-only pushes against whole pushes of the same LoRA model, into one of Riptide's servers.
+
+    python bench/lora_sync.py [--model PATH|tiny] [--rank 16] [--rounds 3]
+
+The model (by default the real one `make setup-real` makes: SmolLM2-135M-Instruct, fp32) gets a peft LoRA
+adapter of `--rank` on the attention and MLP projections, its B drawn at random (a trained adapter's
+shape; a fresh one computes nothing). Each round pushes it twice as new versions, in turn: the merged
+weights whole (`WeightSync.push`, what a trainer without adapter pushes sends) and the adapter alone
+(`WeightSync.push_adapter`: the servers merge it into the base they keep), after one adapter push
+that is not measured (a server takes its base at its first adapter update). Reported: the adapter's share
+of a whole push's bytes, both pushes' seconds (stream, merge, commit: the push's wall time) and the
+servers' merge, medians over the rounds; and after the last adapter push, the server's greedy tokens
+and logprobs against peft's merge_and_unload model recomputed by transformers (fp32).
+
+The last line is one JSON object: adapter_wire_fraction, adapter_push_s, full_push_s, merge_s,
+logprob_max_abs_diff_vs_peft, and the settings."""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+REAL_MODEL = ROOT / ".cache" / "smollm2-135m-instruct"
+
+
+def adapted(path: str, rank: int):
+    from transformers import AutoModelForCausalLM
+
+    from trainer_bridge.training import lora
+    return lora.with_adapters(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank, 2.0 * rank, 0.0,
+                              []).eval()
+
+
+def logprob_gap(backend, model, prompts: list[list[int]], new_tokens: int) -> float:
+    """The largest |logprob| difference between the server's greedy tokens and peft's merged model's."""
+    reference = copy.deepcopy(model).merge_and_unload().eval()
+    outs = backend.generate(prompts, {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True})
+    worst = 0.0
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = reference(torch.tensor([ids + out.output_ids])).logits[0, len(ids) - 1:-1].float()
+        if out.output_ids != logits.argmax(-1).tolist():
+            raise SystemExit("the server's greedy tokens differ from peft's merged model's")
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+        worst = max(worst, (torch.tensor(out.logprobs) - want).abs().max().item())
+    return worst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help=f"an HF folder, or tiny (default: {REAL_MODEL})")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    a = p.parse_args()
+    if a.model == "tiny":
+        from bench._common import tiny_model_dir
+        path = str(tiny_model_dir())
+    else:
+        path = a.model or str(REAL_MODEL)
+        if not (Path(path) / "config.json").exists():
+            p.error(f"--model {path}: no config.json there (make setup-real makes the real model)")
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig, RolloutBackend
+    from trainer_bridge.config import ServerConfig, WeightSyncConfig
+    from riptide_testing.lora import draw_adapter
+    from trainer_bridge.training import lora
+    cfg = BackendConfig(path, server=ServerConfig(context_length=512, dtype="float32", device="cpu", kv_cache_gb=1.0),
+                        rollout=RolloutConfig(max_new_tokens=32, use_chat_template="false"),
+                        weight_sync=WeightSyncConfig(bucket_mb=a.bucket_mb))
+    full, adapter, merge = [], [], []
+    with RolloutBackend(cfg) as backend:
+        backend.start(manager=False)
+        # a first adapter push (not measured): each server takes the base it merges adapters into from
+        # what it serves at its first adapter update, so that must be the base, not a whole push's weights
+        model = draw_adapter(adapted(path, a.rank), 100, 0.01)
+        backend.sync.push_adapter(*lora.adapter_tensors(model), lora.base_weights(model), 1)
+        version = 1
+        for r in range(a.rounds):
+            draw_adapter(model, r, 0.01)          # the adapter as a training step leaves it
+            version += 1
+            full.append(backend.sync.push(lora.merged_weights(model), version).seconds)
+            version += 1
+            tensors, scales = lora.adapter_tensors(model)
+            stats = backend.sync.push_adapter(tensors, scales, lora.base_weights(model), version)
+            adapter.append(stats.seconds)
+            merge.append(stats.merge_s)
+            fraction = stats.bytes / stats.model_bytes
+            print(f"round {r}: whole {full[-1]:.3f} s, adapter {adapter[-1]:.3f} s (merge {merge[-1]:.3f} s), "
+                  f"adapter bytes {stats.bytes / 1e6:.1f} MB = {fraction:.4f} of {stats.model_bytes / 1e6:.0f} MB",
+                  file=sys.stderr, flush=True)
+        prompts = [backend.tokenizer(t)["input_ids"] for t in ("The capital of France is", "2 + 2 =", "def f(x):")]
+        gap = logprob_gap(backend, model, prompts, 24)
+    sys.stderr.flush()
+    print(json.dumps({"adapter_wire_fraction": round(fraction, 5), "adapter_push_s": round(statistics.median(adapter), 4),
+                      "full_push_s": round(statistics.median(full), 4), "merge_s": round(statistics.median(merge), 4),
+                      "logprob_max_abs_diff_vs_peft": gap, "adapter_over_full": round(
+                          statistics.median(adapter) / statistics.median(full), 3),
+                      "rank": a.rank, "rounds": a.rounds, "model": Path(path).name, "dtype": "float32",
+                      "bucket_mb": a.bucket_mb}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
