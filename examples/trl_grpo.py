@@ -28,8 +28,9 @@ def copy_reward(completions, answer, **kwargs):
 
 
 def main(steps: int = 30, out: str = ".cache/trl-grpo", path: str = ".cache/tiny-chars", reward_funcs=None,
-         close_at_end: bool = True):
-    """Trains for `steps`; returns the trainer (its state.log_history has the per-step rewards)."""
+         close_at_end: bool = True, peft_config=None):
+    """Trains for `steps`; returns the trainer (its state.log_history has the per-step rewards). With
+    `peft_config` (a peft LoraConfig) TRL trains a LoRA adapter, and each push carries the adapter alone."""
     if not os.path.exists(os.path.join(path, "config.json")):
         build_tiny_model(path, hidden=128, layers=2, heads=4, tokenizer="chars")
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -43,7 +44,7 @@ def main(steps: int = 30, out: str = ".cache/trl-grpo", path: str = ".cache/tiny
     backend = RolloutBackend(BackendConfig(model_path=path, rollout=RolloutConfig(use_chat_template="false")))
     trainer = RiptideGRPOTrainer(model=model, reward_funcs=reward_funcs or copy_reward, args=args,
                                  train_dataset=dataset, processing_class=tokenizer, backend=backend,
-                                 close_at_end=close_at_end)
+                                 close_at_end=close_at_end, peft_config=peft_config)
     trainer.train()                   # starts the servers, pushes after every step, stops them at the end
     return trainer
 

@@ -65,6 +65,45 @@ def test_grpo_trainer_on_riptide_learns_the_demo_task_and_samples_each_step_on_t
     assert all(0.9 < r < 1.1 for r in ratios), ratios
 
 
+def test_a_peft_model_in_grpo_trainer_pushes_its_adapter_alone_and_samples_each_step_on_the_last_steps(
+        chars_model, tmp_path):
+    """TRL trains a LoRA adapter (peft_config): every push carries the adapter alone, every step's
+    completions come from the adapter version the step before pushed, and the servers serve the
+    trained adapter merged as peft merges it (greedy tokens equal, logprobs within 1e-5, fp32)."""
+    import copy
+
+    from peft import LoraConfig
+
+    from trainer_bridge.integrations.trl import unwrap
+    ex = example()
+    seen: list[list[int]] = []
+
+    def reward(completions, answer, weight_version, **kwargs):
+        seen.append(list(weight_version))
+        return ex.copy_reward(completions, answer)
+    steps = 6
+    peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                 "up_proj", "down_proj"])
+    trainer = ex.main(steps, out=str(tmp_path / "out"), path=chars_model, reward_funcs=reward, close_at_end=False,
+                      peft_config=peft_config)
+    try:
+        assert [sorted(set(v)) for v in seen] == [[k] for k in range(steps)]
+        assert server_versions(trainer.riptide) == [steps]
+        push = trainer.riptide.last_push
+        assert set(push.modes.values()) == {"adapter"} and push.bytes < 0.2 * push.model_bytes
+        merged = copy.deepcopy(unwrap(trainer.model)).merge_and_unload().eval().float()
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        outs = trainer.riptide.generate(prompts, {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True})
+        for ids, out in zip(prompts, outs):
+            with torch.no_grad():
+                logits = merged(torch.tensor([ids + out.output_ids])).logits[0, len(ids) - 1:-1]
+            assert out.output_ids == logits.argmax(-1).tolist()
+            want = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(out.logprobs), want, atol=1e-5)
+    finally:
+        trainer.riptide.close()
+
+
 def test_importance_sampling_weights_are_computed_from_riptides_logprobs(chars_model, tmp_path):
     """TRL takes its importance-sampling correction on its vLLM path only; RiptideGRPOTrainer takes it
     on the logprobs Riptide's servers returned. Shift those logprobs by -1 a token and the

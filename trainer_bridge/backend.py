@@ -133,6 +133,7 @@ class RolloutBackend:
         self.fleet = None
         self.rollout = None                  # the manager's host: call(method, *args)
         self.sync = None
+        self.last_push = None                # the PushStats of the last push_weights
         self.sharded = None                  # sharded.RankState of this rank (0) for FSDP2 pushes, from the first
         self.version = 0
         self.servers: list[str] = []         # members: they get weight pushes and rollout requests
@@ -231,7 +232,7 @@ class RolloutBackend:
         same at every push): each rank writes the shard it holds, and no rank gathers the model."""
         self._admit()
         self._evict_down()
-        stats = self._push(model, version)
+        stats = self.last_push = self._push(model, version)
         self.version = version
         for url in list(stats.dropped) + [u for u in stats.pending if self._dead(u)]:
             if url in self.servers:
