@@ -82,7 +82,7 @@ def checkpoint_activations(model: torch.nn.Module) -> None:
 class GRPOTrainer:
     def __init__(self, model: torch.nn.Module, cfg: TrainerConfig, temperature: float = 1.0):
         if cfg.lr == 0:          # auto, given no job to say whether the model was built from scratch
-            cfg = dataclasses.replace(cfg, lr=auto_lr(from_scratch=False))
+            cfg = dataclasses.replace(cfg, lr=auto_lr(from_scratch=False, lora=cfg.lora.rank > 0))
         self.cfg = cfg
         sharded = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
