@@ -10,10 +10,11 @@ weights whole (`WeightSync.push`, what a trainer without adapter pushes sends) a
 that is not measured (a server takes its base at its first adapter update). Reported: the adapter's share
 of a whole push's bytes, both pushes' seconds (stream, merge, commit: the push's wall time) and the
 servers' merge, medians over the rounds; and after the last adapter push, the server's greedy tokens
-and logprobs against peft's merge_and_unload model recomputed by transformers (fp32).
+and logprobs against the same server serving peft's merge_and_unload weights pushed whole (the merge
+alone), and against transformers' forward of that model (fp32).
 
 The last line is one JSON object: adapter_wire_fraction, adapter_push_s, full_push_s, merge_s,
-logprob_max_abs_diff_vs_peft, and the settings."""
+logprob_max_abs_diff_vs_peft, logprob_max_abs_diff_vs_transformers, and the settings."""
 from __future__ import annotations
 
 import argparse
@@ -38,19 +39,28 @@ def adapted(path: str, rank: int):
                               []).eval()
 
 
-def logprob_gap(backend, model, prompts: list[list[int]], new_tokens: int) -> float:
-    """The largest |logprob| difference between the server's greedy tokens and peft's merged model's."""
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+
+
+def gaps(backend, model, prompts: list[list[int]], version: int) -> tuple[float, float]:
+    """After an adapter push: the largest |logprob| difference of the server's greedy tokens (1) against
+    the same server serving peft's merge_and_unload weights, pushed whole as the next version (the merge
+    alone: same engine, same kernels), and (2) against transformers' forward of that model (the engine's
+    own fp32 numerics included). Tokens must be equal in both."""
     reference = copy.deepcopy(model).merge_and_unload().eval()
-    outs = backend.generate(prompts, {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True})
-    worst = 0.0
-    for ids, out in zip(prompts, outs):
+    adapter_outs = backend.generate(prompts, GREEDY)
+    backend.sync.push(dict(reference.named_parameters()), version)
+    whole_outs = backend.generate(prompts, GREEDY)
+    vs_peft = vs_hf = 0.0
+    for ids, out, whole in zip(prompts, adapter_outs, whole_outs):
         with torch.no_grad():
             logits = reference(torch.tensor([ids + out.output_ids])).logits[0, len(ids) - 1:-1].float()
-        if out.output_ids != logits.argmax(-1).tolist():
+        if not out.output_ids == whole.output_ids == logits.argmax(-1).tolist():
             raise SystemExit("the server's greedy tokens differ from peft's merged model's")
         want = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
-        worst = max(worst, (torch.tensor(out.logprobs) - want).abs().max().item())
-    return worst
+        vs_peft = max(vs_peft, (torch.tensor(out.logprobs) - torch.tensor(whole.logprobs)).abs().max().item())
+        vs_hf = max(vs_hf, (torch.tensor(out.logprobs) - want).abs().max().item())
+    return vs_peft, vs_hf
 
 
 def main() -> None:
@@ -97,11 +107,12 @@ def main() -> None:
                   f"adapter bytes {stats.bytes / 1e6:.1f} MB = {fraction:.4f} of {stats.model_bytes / 1e6:.0f} MB",
                   file=sys.stderr, flush=True)
         prompts = [backend.tokenizer(t)["input_ids"] for t in ("The capital of France is", "2 + 2 =", "def f(x):")]
-        gap = logprob_gap(backend, model, prompts, 24)
+        vs_peft, vs_hf = gaps(backend, model, prompts, version + 1)
     sys.stderr.flush()
     print(json.dumps({"adapter_wire_fraction": round(fraction, 5), "adapter_push_s": round(statistics.median(adapter), 4),
                       "full_push_s": round(statistics.median(full), 4), "merge_s": round(statistics.median(merge), 4),
-                      "logprob_max_abs_diff_vs_peft": gap, "adapter_over_full": round(
+                      "logprob_max_abs_diff_vs_peft": vs_peft, "logprob_max_abs_diff_vs_transformers": vs_hf,
+                      "adapter_over_full": round(
                           statistics.median(adapter) / statistics.median(full), 3),
                       "rank": a.rank, "rounds": a.rounds, "model": Path(path).name, "dtype": "float32",
                       "bucket_mb": a.bucket_mb}), flush=True)
