@@ -2,6 +2,7 @@
 pushed by the base's names, served exactly; a riptide-train job that trains only the adapter."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -141,27 +142,56 @@ def test_an_adapter_for_another_base_is_refused_before_any_byte_moves(tiny_model
         assert all(set(o.versions) == {0} for o in outs)
 
 
-def test_a_lora_job_trains_only_the_adapter(tmp_path):
-    """riptide-train with trainer.lora.rank: the base stays as it was (its embedding, norms and head
-    bit for bit in the checkpoint's merged weights), the adapted projections moved, the adapter is
-    saved apart, and every step's weights went to the servers."""
-    from safetensors.torch import load_file
-    proc = subprocess.run([sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
-                           f"model.path={tmp_path / 'model'}", "rollout.group_size=4", "rollout.batch_size=4",
-                           "server.context_length=64", "logger.progress=false", "trainer.steps=6",
-                           "trainer.val_every=0", "trainer.lora.rank=8"],
+def lora_job(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "trainer_bridge.train", f"run_dir={tmp_path / 'run'}",
+                           "rollout.group_size=4", "rollout.batch_size=4", "server.context_length=64",
+                           "logger.progress=false", "trainer.val_every=0", "trainer.lora.rank=8", *overrides],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "WANDB_MODE": "offline"})
+
+
+def test_a_lora_job_trains_only_the_adapter_and_resumes_it(tmp_path):
+    """riptide-train with trainer.lora.rank: the base stays as it was (its embedding, norms and head
+    bit for bit in the checkpoint's merged weights), the adapted projections moved, the adapter is
+    saved apart, and every step's weights went to the servers. trainer.resume=latest continues the
+    adapter from its checkpoint on the base model.path names (a step at a vanishing lr then leaves the
+    merged weights where the checkpoint had them, not at the base), and refuses, before anything
+    starts, another base, another rank, and the adapter run's checkpoint without lora.rank."""
+    from safetensors.torch import load_file, save_file
+    proc = lora_job(tmp_path, f"model.path={tmp_path / 'model'}", "trainer.steps=4")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 6
-    ckpt = tmp_path / "run" / "checkpoints" / (tmp_path / "run" / "checkpoints" / "latest").read_text()
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 4
+    checkpoints = tmp_path / "run" / "checkpoints"
+    ckpt = checkpoints / (checkpoints / "latest").read_text()
     assert (ckpt / "adapter" / "adapter_config.json").exists()
     before, after = load_file(tmp_path / "model" / "model.safetensors"), load_file(ckpt / "model.safetensors")
     frozen = [n for n in before if "proj" not in n]
+    moved = [n for n in before if "q_proj" in n or "down_proj" in n]
     assert frozen and all(torch.equal(before[n], after[n]) for n in frozen)
-    assert any(not torch.equal(before[n], after[n]) for n in before if "q_proj" in n or "down_proj" in n)
+    assert any(not torch.equal(before[n], after[n]) for n in moved)
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == 6 and all(r["sync/bytes"] > 0 for r in lines)
+    assert len(lines) == 4 and all(r["sync/bytes"] > 0 for r in lines)
+
+    other = tmp_path / "other"                      # the same architecture, one weight nudged: another base
+    shutil.copytree(tmp_path / "model", other)
+    weights = load_file(other / "model.safetensors")
+    weights[frozen[0]] = weights[frozen[0]] + 1e-3
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    for overrides, says in (([f"model.path={other}"], "another base model"),
+                            ([f"model.path={tmp_path / 'model'}", "trainer.lora.rank=4"], "has r=8, this job's 4"),
+                            ([f"model.path={tmp_path / 'model'}", "trainer.lora.rank=0"], "trainer.lora.rank=8")):
+        refused = lora_job(tmp_path, *overrides, "trainer.steps=5", "trainer.resume=latest")
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr[-3000:]
+    assert (checkpoints / "latest").read_text() == ckpt.name      # nothing ran
+
+    proc = lora_job(tmp_path, f"model.path={tmp_path / 'model'}", "trainer.steps=5", "trainer.resume=latest",
+                    "trainer.lr=1e-12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(5))
+    resumed = load_file(checkpoints / (checkpoints / "latest").read_text() / "model.safetensors")
+    assert all(torch.allclose(resumed[n], after[n], atol=1e-6) for n in moved)
+    assert any(not torch.allclose(resumed[n], before[n], atol=1e-6) for n in moved)
 
 
 def test_lora_settings_are_checked_before_start():

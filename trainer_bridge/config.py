@@ -436,10 +436,7 @@ class TrainerConfig:
         lora = self.lora.problems() + failed([
             (not self.lora.rank or self.world_size == 1,
              f"trainer.lora.rank={self.lora.rank} with trainer.world_size={self.world_size}: adapters train on one "
-             f"trainer process for now; set world_size=1 or lora.rank=0"),
-            (not self.lora.rank or not self.resume,
-             f"trainer.lora.rank={self.lora.rank} with trainer.resume={self.resume!r}: resuming an adapter run is not "
-             f"built yet (its checkpoints hold the adapter and the merged weights); start fresh")])
+             f"trainer process for now; set world_size=1 or lora.rank=0")])
         return ([wrong] if wrong else []) + lora + failed([(self.steps >= 1, f"trainer.steps={self.steps}: must be >= 1"),
                   (self.val_every >= 0, f"trainer.val_every={self.val_every}: must be >= 0 (0: off)"),
                   (self.val_samples >= 0, f"trainer.val_samples={self.val_samples}: must be >= 0"),

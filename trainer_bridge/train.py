@@ -152,6 +152,9 @@ def main(cfg: DictConfig) -> None:
         signal.signal(sig, signal.SIG_IGN if follower else stop_on_signal)
     try:
         result = run(job)
+    except ConfigError as e:            # found once the job looked at what it resumes from; nothing started
+        print("riptide-train: bad config:\n" + "\n".join(f"  - {p}" for p in e.problems), file=sys.stderr)
+        sys.exit(2)
     except Stopped as e:
         where = f"checkpoint {e.checkpoint}; continue with trainer.resume=latest run_dir={job.run_dir}" \
             if e.checkpoint else "no checkpoint yet"

@@ -18,7 +18,7 @@ from rollout.config import UpdatePolicy
 from rollout.metrics import BatchMetrics
 from trainer_bridge.backend import PushInFlight, RolloutBackend, in_background
 from trainer_bridge.batch import TrainBatch
-from trainer_bridge.config import JobConfig, latest_checkpoint, redacted
+from trainer_bridge.config import ConfigError, JobConfig, latest_checkpoint, redacted
 from trainer_bridge.job.monitor import Monitor
 from trainer_bridge.training import lora
 from trainer_bridge.training.ranks import Lead, follow, trainer_ranks
@@ -185,12 +185,17 @@ def _run(job: JobConfig, lead: Lead) -> dict | None:
         box = [job.run_dir, resume]   # may differ; a rank on another host may not see either)
         torch.distributed.broadcast_object_list(box, src=0)
         job, run_dir, resume = dataclasses.replace(job, run_dir=box[0]), Path(box[0]), box[1]
-    start_from = str(resume or Path(job.model.path))
+    if resume is not None and lead.rank == 0:
+        adapter_run_check(job, resume)
+    # an adapter run starts from its base (a checkpoint of one holds the merged weights and the adapter)
+    start_from = str(resume if resume is not None and not job.trainer.lora.rank else Path(job.model.path))
     model, from_rank0 = load_model(start_from, lead)
     if job.trainer.lora.rank:
         lc = job.trainer.lora
         model = lora.with_adapters(model, lc.rank, lc.alpha, lc.dropout, lc.target_modules)
         log.info("LoRA rank %d: %.2f%% of the parameters train", lc.rank, 100 * lora.adapter_share(model))
+        if resume is not None:
+            resume_adapter(model, resume)
     trainer = GRPOTrainer(model, job.trainer, temperature=job.rollout.temperature)     # sharded on k ranks
     if from_rank0:
         trainer.load_weights_from_rank0(start_from)
@@ -458,6 +463,33 @@ def summary(rewards: list[float], job: JobConfig, first_step: int, seconds: floa
             **({"val_accuracy_first": round(val[0], 4), "val_accuracy_last": round(val[-1], 4)} if val else {}),
             "steps": job.trainer.steps, "first_step": first_step, "seconds": round(seconds, 1),
             "wandb_dir": wandb_dir, "plot": plot}
+
+
+def adapter_run_check(job: JobConfig, checkpoint: Path) -> None:
+    """A checkpoint of an adapter run resumes as one, of the same rank, and a whole model's as a whole
+    model's (ConfigError before anything starts)."""
+    saved = checkpoint / "adapter" / "adapter_config.json"
+    rank = json.loads(saved.read_text()).get("r") if saved.exists() else 0
+    if rank and not job.trainer.lora.rank:
+        raise ConfigError([f"trainer.resume={checkpoint}: an adapter run's checkpoint (LoRA rank {rank}); "
+                           f"resume it with trainer.lora.rank={rank}"])
+    if job.trainer.lora.rank and not rank:
+        raise ConfigError([f"trainer.resume={checkpoint} with trainer.lora.rank={job.trainer.lora.rank}: the "
+                           f"checkpoint holds no adapter (a whole model's run); resume it with trainer.lora.rank=0"])
+
+
+def resume_adapter(model, checkpoint: Path) -> None:
+    """The checkpoint's adapter into `model`'s, once the base `model` was built from is checked to be
+    the one the adapter trained on (its digest, kept in the checkpoint)."""
+    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False).get("lora_base_digest")
+    if saved is not None and saved != lora.base_digest(model):
+        raise ConfigError([f"trainer.resume={checkpoint}: its adapter trained on another base model than "
+                           f"model.path's (base digest {saved[:16]} != {lora.base_digest(model)[:16]}); "
+                           f"set model.path to that run's base"])
+    try:
+        lora.load_adapter(model, checkpoint / "adapter")
+    except ValueError as e:
+        raise ConfigError([f"trainer.resume={checkpoint}: {e}"]) from None
 
 
 def _resume_dir(job: JobConfig, run_dir: Path) -> Path | None:

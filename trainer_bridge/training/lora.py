@@ -100,3 +100,46 @@ def adapter_share(model) -> float:
     """The adapter's parameters as a share of the whole model's."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable / max(1, sum(p.numel() for p in model.parameters()))
+
+
+def base_digest(model) -> str:
+    """The frozen base's identity: live_digest of its weights by checkpoint names (a checkpoint of an
+    adapter run keeps it, and resuming checks the base it loads against it)."""
+    from weight_sync import live_digest
+    return live_digest(base_weights(model))
+
+
+def adapter_problems(model, directory) -> list[str]:
+    """What keeps the adapter saved in `directory` (peft's save_pretrained) from loading into
+    `model`'s: another rank, alpha or set of target modules ([]: nothing)."""
+    import json
+    from pathlib import Path
+    config = Path(directory) / "adapter_config.json"
+    if not config.exists():
+        return [f"{directory}: no adapter_config.json (not an adapter saved by an adapter run)"]
+    saved, ours = json.loads(config.read_text()), model.peft_config["default"]
+    out = []
+    for key, mine in (("r", ours.r), ("lora_alpha", ours.lora_alpha)):
+        if saved.get(key) != mine:
+            out.append(f"the checkpoint's adapter has {key}={saved.get(key)}, this job's {mine}")
+    if set(saved.get("target_modules") or []) != set(ours.target_modules or []):
+        out.append(f"the checkpoint's adapter targets {sorted(saved.get('target_modules') or [])}, this job's "
+                   f"{sorted(ours.target_modules or [])}")
+    return out
+
+
+@torch.no_grad()
+def load_adapter(model, directory) -> None:
+    """The adapter saved in `directory` into `model`'s (same rank, alpha and targets: adapter_problems)."""
+    from pathlib import Path
+
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    problems = adapter_problems(model, directory)
+    if problems:
+        raise ValueError("; ".join(problems))
+    result = set_peft_model_state_dict(model, load_file(Path(directory) / "adapter_model.safetensors"))
+    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    if getattr(result, "unexpected_keys", None) or missing:
+        raise ValueError(f"{directory}: the saved adapter does not fit this model's "
+                         f"(unexpected {list(result.unexpected_keys)[:3]}, missing {missing[:3]})")

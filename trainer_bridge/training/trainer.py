@@ -99,6 +99,7 @@ class GRPOTrainer:
             if self.reference is not None:
                 shard(self.reference)
         self.model = model.train()
+        self._lora_base_digest: str | None = None
         self.temperature = temperature if temperature > 0 else 1.0
         # Fused AdamW where torch has it (CPU and CUDA): one kernel over every parameter; on CPU it
         # took 7 ms a step against 32 ms for the per-tensor loop (6.5M parameters, one thread).
@@ -382,6 +383,7 @@ class GRPOTrainer:
             self.model.get_base_model().save_pretrained(directory, state_dict=lora.merged_weights(self.model))
             self.model.save_pretrained(directory / "adapter")
             state["optimizer"] = self.optimizer.state_dict()
+            state["lora_base_digest"] = self.lora_base_digest()
         elif self.world == 1:
             self.model.save_pretrained(directory)
             state["optimizer"] = self.optimizer.state_dict()
@@ -409,6 +411,12 @@ class GRPOTrainer:
         if self.rank == 0:
             (directory.parent / "latest").write_text(directory.name)
         return directory
+
+    def lora_base_digest(self) -> str:
+        """The frozen base's identity (lora.base_digest), taken once: the base never trains."""
+        if self._lora_base_digest is None:
+            self._lora_base_digest = lora.base_digest(self.model)
+        return self._lora_base_digest
 
     def _save_full_weights(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
