@@ -114,6 +114,34 @@ def test_checkpoint_engine_moves_a_model_into_riptide_servers_bit_exactly_under_
             s.stop()
 
 
+def test_an_unmerged_lora_model_is_refused_by_name_before_any_byte_moves(tiny_model):
+    """verl's checkpoint-engine path sends a LoRA model with lora.merge=False as its base alone (peft's
+    `.base_layer.` names, verl's collect_lora_params): served, the policy would be the base's. The
+    engine refuses it, naming the setting that sends the merged weights, and opens no update."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+    from verl.utils.fsdp_utils import collect_lora_params, replace_lora_wrapper
+
+    from inference_server.process import ServerProcess
+    from trainer_bridge.integrations.verl import RiptideCheckpointEngine
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    config = model.peft_config["default"]
+    as_verl_sends = {replace_lora_wrapper(k, config): v
+                     for k, v in collect_lora_params(model, layered_summon=False, base_sync_done=False).items()}
+    assert any(".base_layer." in k for k in as_verl_sends)
+    with ServerProcess(tiny_model, args=["--context-length", "512"]) as server:
+        engine = RiptideCheckpointEngine(1 << 20, is_master=True)
+        engine.init_process_group(0, [server.url])
+        try:
+            with pytest.raises(ValueError, match=r"unmerged LoRA model.*lora.merge=True"):
+                asyncio.run(engine.send_weights(iter(as_verl_sends.items()), global_steps=1))
+        finally:
+            engine.close()
+        assert httpx.get(f"{server.url}/weight_sync/status").json()["stage"] == "idle"
+        assert int(httpx.get(f"{server.url}/get_weight_version").json()["weight_version"]) == 0
+
+
 def test_replica_launches_its_server_as_a_ray_actor_that_verl_reaches_by_handle_and_by_name(tiny_model):
     """RiptideReplica.launch_servers on a real Ray cluster (one node on 127.0.0.1): the server handle
     generates, the replica's control calls reach it, and a rollout worker of that replica finds its

@@ -60,6 +60,22 @@ def local_server() -> str | None:
     return LOCAL_SERVERS[0] if LOCAL_SERVERS else None
 
 
+def lora_layout_problem(names) -> str | None:
+    """What is wrong with sending these weights as a whole version: verl's layout of an unmerged LoRA
+    model (its base under peft's `.base_layer.` names, or peft's adapter tensors) is not the model
+    the policy computes with. verl 0.9.1's checkpoint-engine path sends a LoRA model with
+    `model.lora.merge=False` as its base alone, every step: served, it would sample from the base,
+    never the trained adapter."""
+    base = [n for n in names if ".base_layer." in n]
+    adapter = [n for n in names if ".lora_A." in n or ".lora_B." in n or n.endswith((".lora_A", ".lora_B"))]
+    if not base and not adapter:
+        return None
+    return (f"riptide checkpoint engine: verl sent an unmerged LoRA model ({len(base)} base tensors named "
+            f"'...base_layer...', e.g. {(base or adapter)[0]!r}; {len(adapter)} adapter tensors), which would serve "
+            f"without its adapter; set actor_rollout_ref.model.lora.merge=True, so that verl sends the merged "
+            f"weights (pushed whole, by the base model's names)")
+
+
 @CheckpointEngineRegistry.register("riptide")
 class RiptideCheckpointEngine(CheckpointEngine):
     """verl's checkpoint engine over Riptide's weight sync (see the module's docstring). Engine
@@ -127,6 +143,9 @@ class RiptideCheckpointEngine(CheckpointEngine):
         if global_steps is None:
             raise ValueError("riptide checkpoint engine: send_weights needs global_steps (the version it pushes)")
         tensors = {name: t.detach() for name, t in weights}
+        lora = lora_layout_problem(tensors)
+        if lora:
+            raise ValueError(lora)
         t0 = time.perf_counter()
         stats = await asyncio.to_thread(self.sync.push, tensors, int(global_steps))
         return {"riptide/push_s": time.perf_counter() - t0, "riptide/push_bytes": float(stats.bytes),
