@@ -47,21 +47,12 @@ def merged_weights(model) -> dict[str, torch.Tensor]:
     """The adapted model's weights by the base checkpoint's names: each adapted layer's base weight
     plus its adapters' B @ A * scale (computed apart, so the trainer's weights are left as they are:
     a merge and unmerge in place would move them by rounding), every other parameter as it is."""
-    from peft.tuners.lora import LoraLayer
-    base = model.get_base_model()
-    out: dict[str, torch.Tensor] = {}
-    adapted = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    for name, layer in adapted.items():
+    out = base_weights(model)
+    for name, layer in _adapted_layers(model).items():
         weight = layer.base_layer.weight.detach()
         delta = sum((layer.get_delta_weight(a) for a in layer.active_adapters if a in layer.lora_A),
                     torch.zeros_like(weight))
         out[f"{name}.weight"] = weight + delta.to(weight.dtype)
-        if getattr(layer.base_layer, "bias", None) is not None:
-            out[f"{name}.bias"] = layer.base_layer.bias.detach()
-    for name, p in base.named_parameters():
-        if "lora_" in name or ".base_layer." in name:
-            continue
-        out[name] = p.detach()
     return out
 
 
