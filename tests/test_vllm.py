@@ -39,16 +39,24 @@ def fleet(tmp_path_factory):
     first two serve. The three start side by side."""
     root = tmp_path_factory.mktemp("vllm")
     v1, v2 = tiny(root, 0), tiny(root, 1)
+    from trainer_bridge.fleets.local import model_files
+    bare = root / "bare"                                # config and tokenizer only: no weights on this host
+    bare.mkdir()
+    for name, data in model_files(str(v1)).items():
+        (bare / name).write_bytes(data)
     with contextlib.ExitStack() as stack:
-        servers = [vllm_serve(v1, root / "a.log"), vllm_serve(v1, root / "b.log"), vllm_serve(v2, root / "reference.log")]
+        servers = [vllm_serve(v1, root / "a.log"), vllm_serve(v1, root / "b.log"), vllm_serve(v2, root / "reference.log"),
+                   VllmProcess(bare, max_num_seqs=8, max_model_len=256, dtype="float32", no_weights=True,
+                               log_path=root / "cold.log")]
         for server in servers:
             stack.callback(server.stop)
             server.spawn()
         for server in servers:
             server.wait_ready(600)
-        a, b, reference = (server.url for server in servers)
+        a, b, reference, cold = (server.url for server in servers)
         # one URL a server: vLLM's API and Riptide's /weight_sync/* (the middleware's)
-        yield {"vllm": [a, b], "weight_sync": [a, b], "reference": reference, "v1": v1, "v2": v2, "root": root}
+        yield {"vllm": [a, b], "weight_sync": [a, b], "reference": reference, "cold": cold, "v1": v1, "v2": v2,
+               "root": root}
 
 
 def greedy(url: str, prompt: list[int] | None = None, n: int = 12) -> tuple[list[str], list[float]]:
@@ -211,51 +219,6 @@ def test_a_grpo_job_on_vllm_servers_learns_and_stops_them(tmp_path):
     assert servers_of(tmp_path) == []
 
 
-def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(tmp_path):
-    """rollout.update_policy=abort_all on a vLLM server: each commit ends the requests in flight (vLLM's
-    pause in abort mode) and the manager resumes them from their partial tokens on the new weights.
-    A resumed sample's tokens carry the version vLLM labelled them with, and that is exact: every
-    token's behaviour logprob is the one the weights of its version give (recomputed here with
-    transformers), before and after the resume."""
-    from transformers import AutoModelForCausalLM
-
-    from rollout.config import RolloutConfig
-    from trainer_bridge.backend import BackendConfig, RolloutBackend
-    from trainer_bridge.config import ServerConfig, TaskConfig
-    path = tiny(tmp_path, 0)
-    rollout = RolloutConfig(batch_size=4, group_size=4, max_new_tokens=96, ignore_eos=True, temperature=1.0,
-                            update_policy="abort_all", max_staleness=2)
-    cfg = BackendConfig(path, task=TaskConfig(name="copy", num_digits=3, num_prompts=64), rollout=rollout,
-                        server=ServerConfig(engine="vllm", context_length=256, max_running_requests=16,
-                                            dtype="float32", device="cpu"))
-    models = {0: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
-    resumed, tokens_resumed = [], 0
-    with RolloutBackend(cfg) as backend:
-        backend.start()
-        for version in (1, 2, 3):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.02)
-            models[version] = model
-            backend.push_weights(model, version)
-            batch = backend.next_batch(timeout_s=300)
-            resumed += [s for s in batch.samples if s.num_aborts and len(set(s.versions)) > 1]
-            tokens_resumed += batch.metrics["tokens_resumed"]
-    assert tokens_resumed > 0 and resumed, "no sample spanned a push"
-    for sample in resumed[:4]:
-        assert sample.versions == sorted(sample.versions) and len(sample.response_ids) == 96
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
-        n = len(sample.prompt_ids)
-        for version in set(sample.versions):
-            with torch.no_grad():
-                logits = models[version](ids).logits[0, n - 1:-1].float()
-            want = torch.log_softmax(logits, -1).gather(1, ids[0, n:, None])[:, 0]
-            at = [i for i, v in enumerate(sample.versions) if v == version]
-            got = torch.tensor([sample.logprobs[i] for i in at])
-            assert torch.allclose(got, want[at], atol=2e-3), (version, (got - want[at]).abs().max())
-
-
 def test_the_attach_api_drives_a_vllm_fleet_the_user_started(fleet):
     """`server.urls` with `server.engine=vllm`: the backend attaches to the two running servers (as a
     user's own `vllm serve ... --middleware inference_server.vllm_plugin.riptide_routes`), pushes
@@ -366,23 +329,63 @@ def test_a_vllm_server_added_to_a_fleet_starts_without_weights_and_takes_a_peers
     assert httpx.get(f"{peer}/health").status_code == 200
 
 
-def test_a_vllm_server_started_without_weights_serves_nothing_until_a_push(tmp_path):
-    """Before any push, a server started without weights is up but refuses to serve or to name a version."""
-    from inference_server.process import VllmProcess
-    from trainer_bridge.fleets.local import model_files
-    src = tiny(tmp_path, 0)
-    bare = tmp_path / "bare"                            # config and tokenizer only: no weights on this host
-    bare.mkdir()
-    for name, data in model_files(str(src)).items():
-        (bare / name).write_bytes(data)
-    with VllmProcess(bare, max_num_seqs=8, max_model_len=256, dtype="float32", no_weights=True,
-                     log_path=tmp_path / "cold.log") as server:
-        for path in ("/health", "/get_weight_version"):
-            r = httpx.get(server.url + path)
-            assert r.status_code == 503 and "no weights" in r.text
-        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
-        assert r.status_code == 503
-        assert httpx.get(f"{server.url}/weight_sync/status").json()["version"] == -1
+def test_partial_rollout_on_vllm_resumes_aborted_samples_on_the_new_weights(fleet):
+    """rollout.update_policy=abort_all on a vLLM server: each commit ends the requests in flight (vLLM's
+    pause in abort mode) and the manager resumes them from their partial tokens on the new weights.
+    A resumed sample's tokens carry the version vLLM labelled them with, and that is exact: every
+    token's behaviour logprob is the one the weights of its version give (recomputed here with
+    transformers), before and after the resume. On the fleet's two servers (attached, after the tests
+    above, from the version after the one they serve)."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout.config import RolloutConfig
+    from trainer_bridge.backend import BackendConfig, RolloutBackend
+    from trainer_bridge.config import ServerConfig, TaskConfig
+    path = fleet["v1"]
+    rollout = RolloutConfig(batch_size=4, group_size=4, max_new_tokens=96, ignore_eos=True, temperature=1.0,
+                            update_policy="abort_all", max_staleness=2)
+    cfg = BackendConfig(str(path), task=TaskConfig(name="copy", num_digits=3, num_prompts=64), rollout=rollout,
+                        server=ServerConfig(engine="vllm", urls=list(fleet["vllm"]), context_length=256,
+                                            dtype="float32", device="cpu"))
+    now = max(int(httpx.get(f"{url}/get_weight_version").json()["weight_version"]) for url in fleet["vllm"])
+    models = {now + 1: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)}
+    resumed, tokens_resumed = [], 0
+    with RolloutBackend(cfg) as backend:
+        backend.start(models[now + 1], version=now + 1)        # what serves from the first rollout on
+        for version in (now + 2, now + 3, now + 4):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(version)) * 0.02)
+            models[version] = model
+            backend.push_weights(model, version)
+            batch = backend.next_batch(timeout_s=300)
+            resumed += [s for s in batch.samples if s.num_aborts and len(set(s.versions)) > 1]
+            tokens_resumed += batch.metrics["tokens_resumed"]
+    assert tokens_resumed > 0 and resumed, "no sample spanned a push"
+    for sample in resumed[:4]:
+        assert sample.versions == sorted(sample.versions) and len(sample.response_ids) == 96
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids])
+        n = len(sample.prompt_ids)
+        for version in set(sample.versions):
+            with torch.no_grad():
+                logits = models[version](ids).logits[0, n - 1:-1].float()
+            want = torch.log_softmax(logits, -1).gather(1, ids[0, n:, None])[:, 0]
+            at = [i for i, v in enumerate(sample.versions) if v == version]
+            got = torch.tensor([sample.logprobs[i] for i in at])
+            assert torch.allclose(got, want[at], atol=2e-3), (version, (got - want[at]).abs().max())
+
+
+def test_a_vllm_server_started_without_weights_serves_nothing_until_a_push(fleet):
+    """Before any push, a server started without weights (the fleet's fourth, started beside the others)
+    is up but refuses to serve or to name a version."""
+    url = fleet["cold"]
+    for path in ("/health", "/get_weight_version"):
+        r = httpx.get(url + path)
+        assert r.status_code == 503 and "no weights" in r.text
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+    assert r.status_code == 503
+    assert httpx.get(f"{url}/weight_sync/status").json()["version"] == -1
 
 
 def test_vllm_servers_as_ray_actors_take_pushes_and_sample_them(tmp_path):
