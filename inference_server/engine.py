@@ -24,7 +24,7 @@ from inference_server import weights
 from inference_server.cpu_split import SplitStepRunner
 from inference_server.kv_cache import kv_blocks_that_fit, kv_budget, kv_bytes_per_token, kv_slots_that_fit
 from inference_server.paged_kernel import decode_kernel
-from inference_server.model_runner import (DecoderRunner, GenericRunner, PagedDecoderRunner, Runner,
+from inference_server.model_runner import (Adapter, DecoderRunner, GenericRunner, PagedDecoderRunner, Runner,
                                            supports_fast_path)
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
@@ -427,6 +427,7 @@ class Engine:
         def run():
             t0 = time.perf_counter()
             self.retired.append(weights.swap_in(self.model, tensors))
+            self._set_adapter(None)                   # whole weights: what serves is them alone
             self.version, self.has_weights = version, True
             self.stats.weight_updates += 1
             self.stats.last_swap_stall_s = time.perf_counter() - t0
@@ -440,9 +441,63 @@ class Engine:
 
     def set_version(self, version: int) -> Future:
         def run():
+            self._set_adapter(None)                   # the weights were written whole, in place
             self.version, self.has_weights = version, True
             self.stats.weight_updates += 1
         return self.submit(run)
+
+    # ---- LoRA adapters served in the forward ---------------------------------------------------------
+    def _fused(self):
+        runner = getattr(self.runner, "runner", self.runner)      # under a SplitStepRunner
+        return getattr(runner, "fused", None)
+
+    def adaptable(self) -> set[str]:
+        """The modules an adapter may target to be served in the forward (the fused CPU path's
+        projections); empty where the runner computes with the modules themselves (merge instead)."""
+        fused = self._fused()
+        return fused.adaptable() if fused is not None else set()
+
+    @property
+    def adapter(self) -> Adapter | None:
+        fused = self._fused()
+        return fused.adapter if fused is not None else None
+
+    def _set_adapter(self, adapter: Adapter | None) -> None:
+        fused = self._fused()
+        if fused is not None:
+            fused.adapter = adapter
+
+    def swap_adapter(self, tensors: dict[str, torch.Tensor], scales: dict[str, float], version: int) -> Future:
+        """Serve the base weights with this adapter as `version` from the next step on (stall seconds):
+        the adapter's modules must be `adaptable()`."""
+        adapter = Adapter(dict(tensors), dict(scales), version)
+        if not adapter.modules <= self.adaptable():
+            raise ValueError(f"modules not served in the forward: {sorted(adapter.modules - self.adaptable())[:3]}")
+
+        def run():
+            t0 = time.perf_counter()
+            self._set_adapter(adapter)
+            self.version, self.has_weights = version, True
+            self.stats.weight_updates += 1
+            self.stats.last_swap_stall_s = time.perf_counter() - t0
+            return self.stats.last_swap_stall_s
+        return self.submit(run)
+
+    @torch.no_grad()
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """The weights that serve, by checkpoint name: the parameters, with an adapter served in the
+        forward merged in (base + B @ A * scale, fp32 as peft merges; new tensors, for a digest or a
+        peer's copy)."""
+        live = {n: p.data for n, p in weights.parameters(self.model).items()}
+        adapter = self.adapter
+        if adapter is None:
+            return live
+        out = dict(live)
+        for m, scale in adapter.scales.items():
+            w = live[f"{m}.weight"]
+            a, b = adapter.tensors[f"{m}.lora_A"].float(), adapter.tensors[f"{m}.lora_B"].float()
+            out[f"{m}.weight"] = torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
+        return out
 
     def load_from_disk(self, path: str) -> dict[str, torch.Tensor]:
         """Read and check a checkpoint off the engine thread; the engine keeps serving meanwhile."""

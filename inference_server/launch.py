@@ -28,6 +28,30 @@ from weight_sync.transports import Transport
 from weight_sync.transports.mooncake import leave_engines_to_exit, open_mooncake
 
 
+def weight_sync_args(p: argparse.ArgumentParser) -> None:
+    """How the server takes weights: at start, and by pushes."""
+    p.add_argument("--weight-sync-host", default=None, help="address Mooncake listens on (default: --host)")
+    p.add_argument("--weight-sync-protocol", default="auto",
+                   help="Mooncake protocol: auto (the platform's: tcp on CPU, rdma on GPUs given NICs, ascend_direct "
+                        "on NPUs), tcp, rdma, ...")
+    p.add_argument("--weight-sync-device", default="", help="Mooncake device name(s), e.g. an RDMA NIC")
+    p.add_argument("--weight-sync-mode", default="shadow", choices=["shadow", "in_place"],
+                   help="shadow: stage into a second copy, flip by pointer swap; in_place: no second copy, "
+                        "pause and write into the live weights")
+    p.add_argument("--adapter-merge", action="store_true",
+                   help="merge each pushed LoRA adapter into a copy of the base before its commit (default, "
+                        "where the engine's path can: served in the forward from the commit, merged beside the steps)")
+    p.add_argument("--weights-from-peer", default=None,
+                   help="URL of a live server: start without reading weights from disk and pull them from it")
+    p.add_argument("--no-weights", action="store_true",
+                   help="start without reading weights (a host without the checkpoint's weights: --model-path then "
+                        "needs only the config and tokenizer) and serve once a push lands, e.g. the trainer's first")
+    p.add_argument("--commit-log", default=None,
+                   help="append a JSON line per weight commit (version, update id, digest of the weights that "
+                        "serve, when) and one for weights loaded at start, to this file (a directory: "
+                        "commits-PORT.jsonl in it): the record an audit reads")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="riptide-serve", description="Riptide's embedded inference server")
     p.add_argument("--model-path", required=True, help="a local Hugging Face checkpoint directory")
@@ -60,23 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         f"it off the command line); required off loopback")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that give none")
     p.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
-    p.add_argument("--weight-sync-host", default=None, help="address Mooncake listens on (default: --host)")
-    p.add_argument("--weight-sync-protocol", default="auto",
-                   help="Mooncake protocol: auto (the platform's: tcp on CPU, rdma on GPUs given NICs, ascend_direct "
-                        "on NPUs), tcp, rdma, ...")
-    p.add_argument("--weight-sync-device", default="", help="Mooncake device name(s), e.g. an RDMA NIC")
-    p.add_argument("--weight-sync-mode", default="shadow", choices=["shadow", "in_place"],
-                   help="shadow: stage into a second copy, flip by pointer swap; in_place: no second copy, "
-                        "pause and write into the live weights")
-    p.add_argument("--weights-from-peer", default=None,
-                   help="URL of a live server: start without reading weights from disk and pull them from it")
-    p.add_argument("--no-weights", action="store_true",
-                   help="start without reading weights (a host without the checkpoint's weights: --model-path then "
-                        "needs only the config and tokenizer) and serve once a push lands, e.g. the trainer's first")
-    p.add_argument("--commit-log", default=None,
-                   help="append a JSON line per weight commit (version, update id, digest of the weights that "
-                        "serve, when) and one for weights loaded at start, to this file (a directory: "
-                        "commits-PORT.jsonl in it): the record an audit reads")
+    weight_sync_args(p)
     p.add_argument("--log-level", default="warning")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is gone (set by launchers, so a killed one leaves no server)")
@@ -124,6 +132,15 @@ class EnginePort:
     def set_version(self, version: int) -> None:
         self.engine.set_version(version).result()
 
+    def adaptable(self) -> set[str]:
+        return self.engine.adaptable()
+
+    def swap_adapter(self, tensors: dict, scales: dict, version: int) -> float:
+        return self.engine.swap_adapter(tensors, scales, version).result()
+
+    def served(self) -> dict:
+        return self.engine.served_weights()
+
     def mark_torn(self, torn: bool) -> None:
         self.engine.weights_torn = torn
 
@@ -167,7 +184,8 @@ def main(argv: list[str] | None = None) -> None:
                          digest=live_digest(port.parameters()))
     receiver = Receiver(port, make_transport, shadow=a.weight_sync_mode == "shadow",
                         peer_status=functools.partial(receiver_status, api_key=a.api_key),
-                        alignment=mooncake.alignment, commit_log=commit_log, name=self_url)
+                        alignment=mooncake.alignment, commit_log=commit_log, name=self_url,
+                        forward_adapters=not a.adapter_merge)
     app = create_app(engine, a.model_path, a.host, a.api_key)
     routes.mount(app, receiver, a.api_key, weights_from_peer=a.weights_from_peer, self_url=self_url)
     leave_engines_to_exit()

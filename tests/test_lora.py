@@ -71,23 +71,29 @@ def backend_config(path, tmp_path, **weight_sync):
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8, 9]]
 
 
-def test_an_adapter_push_moves_the_adapter_alone_and_serves_peft_s_merged_model(tiny_model, tmp_path):
-    """push_weights(peft_model): the adapter's tensors alone go on the wire; each server merges them into
-    the base it keeps, so after every push it serves exactly peft's merge_and_unload of that version
-    (greedy tokens equal, logprobs within 1e-5, fp32), version 2 onto the base and not onto version 1."""
+@pytest.mark.parametrize("merge", [False, True], ids=["in-forward", "merged"])
+def test_an_adapter_push_moves_the_adapter_alone_and_serves_peft_s_merged_model(tiny_model, tmp_path, merge):
+    """push_weights(peft_model): the adapter's tensors alone go on the wire; each server serves them
+    beside the base in its forward (the default on this CPU path) or merges them into the base it keeps
+    (weight_sync.adapter_merge), so after every push it serves exactly peft's merge_and_unload of that
+    version (greedy tokens equal, logprobs within 1e-5, fp32), version 2 onto the base and not onto
+    version 1; the served weights' digest is the merged weights' either way."""
     import copy
 
     from trainer_bridge.backend import RolloutBackend
+    from trainer_bridge.training import lora
+    from weight_sync import live_digest as digest_of
     model = adapted(tiny_model, seed=1)
-    with RolloutBackend(backend_config(tiny_model, tmp_path)) as backend:
+    with RolloutBackend(backend_config(tiny_model, tmp_path, adapter_merge=merge)) as backend:
         backend.start(manager=False)
         for version, seed in ((1, 1), (2, 2)):
             model = adapted(tiny_model, seed=seed)
             stats = backend.push_weights(model, version)
             assert stats.modes and set(stats.modes.values()) == {"adapter"}
             assert stats.wire_bytes == stats.bytes < 0.2 * stats.model_bytes
-            assert stats.merge_s > 0
+            assert (stats.merge_s > 0) == merge
             assert served(backend, PROMPTS, copy.deepcopy(model).merge_and_unload().eval()) < 1e-5
+            assert live_digest(backend.servers[0]) == digest_of(lora.merged_weights(model))
             outs = backend.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 4})
             assert all(set(o.versions) == {version} for o in outs)
 

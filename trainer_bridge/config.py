@@ -275,6 +275,9 @@ class WeightSyncConfig:
                                  "fleet does; lost ones are evicted (1.0: all or none)")
     adapter_only: bool = f(True, "a LoRA (peft) model's pushes carry its adapter alone, which every server merges "
                                  "into the base it holds (false: the merged weights, a whole push)")
+    adapter_merge: bool = f(False, "servers merge each pushed adapter into a copy of the base before the commit; "
+                                   "false: the embedded engine's CPU path serves it from the commit in its forward "
+                                   "beside the base and merges it beside the steps (other engines merge)")
     delta: bool = f(False, "send each push after the first as the weights that changed, to every server that "
                            "serves the trainer's last push exactly (the rest get the whole weights); costs one copy "
                            "of the model in the servers' dtype on the trainer")

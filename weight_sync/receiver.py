@@ -65,6 +65,10 @@ class ServingEngine(Protocol):
     def swap(self, tensors: dict[str, torch.Tensor], version: int) -> float: ...   # stall seconds
     def set_version(self, version: int) -> None: ...          # the live tensors were written in place
     def mark_torn(self, torn: bool) -> None: ...              # live weights mixed: refuse to serve
+    # Optional, an engine that serves LoRA adapters in its forward (the embedded engine's fused path):
+    # adaptable() -> the module names it can; swap_adapter(tensors, scales, version) -> stall seconds;
+    # served() -> the weights it serves, the adapter merged in (for digests and peers). Without them,
+    # adapter updates merge into the shadow weights.
 
 
 class ReceiverError(Exception):
@@ -95,6 +99,7 @@ class _Update:
     base: str | None = None                 # the update serving at open: what a delta applies onto
     prepare: PrepareRequest | None = None
     adapter: AdapterMsg | None = None       # an adapter-only update: `targets` hold its tensors until the merge
+    forward: bool = False                   # ... served in the engine's forward beside the base: no merge
     merge_s: float = 0.0
 
     @property
@@ -108,11 +113,15 @@ class _LoraBase:
     opened (a copy, so every version is the base + its own adapter, never a merge onto a merge, nor
     onto what a whole update brought since), the modules it adapts, and the live_digest of the
     weights then, which the sender checks against its base."""
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor] | None    # None: the live weights are the base (adapters served in the forward)
     adapted: set[str]
     digest: str
     specs: list[SpecMsg]
     confirmed: bool = False                 # an adapter update committed onto it
+
+
+def adapted_modules(weights: set[str]) -> set[str]:
+    return {n.removesuffix(".weight") for n in weights}
 
 
 def adapter_problems(specs: list[TensorSpec], scales: dict[str, float], live: dict[str, torch.Tensor]) -> list[str]:
@@ -136,11 +145,12 @@ def adapter_problems(specs: list[TensorSpec], scales: dict[str, float], live: di
 class Receiver:
     def __init__(self, engine: ServingEngine, make_transport, shadow: bool = True, stage_timeout_s: float = 300.0,
                  peer_status: Callable[[str], dict] | None = None, alignment: int = 1,
-                 commit_log: AuditLog | None = None, name: str = ""):
+                 commit_log: AuditLog | None = None, name: str = "", forward_adapters: bool = True):
         """`make_transport()` starts the transport at the first update; `alignment`: what its
         registrations must be multiples of (Mooncake's ascend_direct: 2 MiB). `commit_log`: a
         record of every commit (weight_sync/audit.py), this server named `name` in it."""
         self.commit_log, self.name = commit_log, name
+        self.forward_adapters = forward_adapters   # adapters in the engine's forward where it can (else merged)
         self.engine = engine
         self.alignment = alignment
         self._weights_device: torch.device | None = None
@@ -207,11 +217,17 @@ class Receiver:
             specs, targets = self._adapter_targets(req.adapter) if req.adapter else (self.specs(), self._targets())
             if req.adapter is None:          # a whole update writes the shadow (in place: the live set)
                 self._rest_is_base["shadow" if self.shadow else "live"] = False
+                base = self._lora_base
+                if base is not None and base.weights is None:
+                    # the live weights stop being the adapters' base at its commit: keep a copy now, and
+                    # later adapter updates merge into it
+                    base.weights = {n: t.detach().clone() for n, t in self.engine.parameters().items()}
             plan = plan_buckets(specs, req.bucket_bytes)
             slots = self._take_slots(max(b.nbytes for b in plan), req.num_slots)
             base = self.live_update()
             self._update = _Update(UpdateRef(version=req.version, update_id=req.update_id), plan, targets, slots,
-                                   base=base, adapter=req.adapter)
+                                   base=base, adapter=req.adapter,
+                                   forward=req.adapter is not None and self._lora_base.weights is None)
             lora = self._lora_base if req.adapter else None
             return OpenReply(session=self.transport.session_id, slot_addrs=[s.data_ptr() for s in slots],
                              specs=[SpecMsg(name=s.name, dtype=s.dtype, shape=list(s.shape)) for s in specs],
@@ -238,7 +254,7 @@ class Receiver:
     def _verify(self, req: ApplyRequest) -> ApplyReply:
         with self._lock:
             update = self._staging(req, req.bucket, req.slot)
-            if not self.shadow and update.paused_at is None:
+            if not self.shadow and update.paused_at is None and not update.forward:
                 self.engine.pause()
                 update.paused_at = time.perf_counter()
                 self._set_torn(True)             # from here until commit the live weights are mixed
@@ -266,7 +282,7 @@ class Receiver:
                                                           f"buckets not staged and verified")
             if update.stage is Stage.PREPARED:
                 return
-            if update.adapter is not None:
+            if update.adapter is not None and not update.forward:
                 self._merge(update)
             update.stage, update.prepare = Stage.PREPARED, req
             # Nothing can write the targets any more (no slot of this update is copied again), so
@@ -285,7 +301,9 @@ class Receiver:
                 raise ReceiverError(ErrorKind.STATE, f"version {req.version} was not prepared ({update.stage.value})")
             aborted = self.engine.abort_all() if req.inflight is InFlight.ABORT else 0
             t_start = time.time()
-            if self.shadow:
+            if update.forward:               # the base stays; the adapter serves beside it from the next step
+                stall = self.engine.swap_adapter(update.targets, update.adapter.scales, req.version)
+            elif self.shadow:
                 old = self.engine.parameters()
                 stall = self.engine.swap(update.targets, req.version)
                 self._shadow = old           # the old live set is the next update's shadow
@@ -297,7 +315,7 @@ class Receiver:
             self._committed.append(req.update_id)
             if update.adapter is not None:
                 self._lora_base.confirmed = True
-            if self.shadow:                   # the sets swapped
+            if self.shadow and not update.forward:     # the sets swapped
                 r = self._rest_is_base
                 r["live"], r["shadow"] = r["shadow"], r["live"]
             self._live = (req.update_id, req.version, self._address())
@@ -306,7 +324,7 @@ class Receiver:
                 t_end = time.time()
                 self.commit_log.write(kind="commit", server=self.name, version=req.version,
                                       update_id=req.update_id, t_start=t_start, t_end=t_end,
-                                      digest=live_digest(self.engine.parameters()))
+                                      digest=live_digest(self.served_weights()))
             return CommitReply(version=req.version, stall_seconds=stall, aborted_requests=aborted,
                                merge_seconds=update.merge_s)
 
@@ -392,10 +410,23 @@ class Receiver:
             base = None
         if base is None:
             self._rest_is_base = {"live": True, "shadow": False}
+            # served in the engine's forward where it can (the base then is the live weights: no copy,
+            # no merge), else merged into a copy of the base
+            forward = self.forward_adapters and adapted_modules(adapted) <= self._adaptable()
             base = self._lora_base = _LoraBase(
-                {n: t.detach().clone() for n, t in live.items()}, adapted, live_digest(live),
+                None if forward else {n: t.detach().clone() for n, t in live.items()}, adapted, live_digest(live),
                 [SpecMsg(name=n, dtype=str(p.dtype).removeprefix("torch."), shape=list(p.shape)) for n, p in live.items()])
         return specs, {s.name: torch.empty(s.shape, dtype=DTYPES[s.dtype], device=self._device()) for s in specs}
+
+    def _adaptable(self) -> set[str]:
+        adaptable = getattr(self.engine, "adaptable", None)
+        return adaptable() if adaptable is not None else set()
+
+    def served_weights(self) -> dict[str, torch.Tensor]:
+        """What serves, by checkpoint name: the live weights, with an adapter served in the forward
+        merged in (as a merging receiver would hold them: the same digest)."""
+        served = getattr(self.engine, "served", None)
+        return served() if served is not None else self.engine.parameters()
 
     def _merge(self, update: _Update) -> None:
         """An adapter update's weights: each adapted module's base plus lora_B @ lora_A * its scale (in
@@ -466,7 +497,7 @@ class Receiver:
         Under the lock: nothing writes the live weights meanwhile."""
         version = self.engine.version
         if self._served is None or self._served[0] != version:
-            self._served = (version, live_digest(self.engine.parameters()))
+            self._served = (version, live_digest(self.served_weights()))
         return self._served[1]
 
     def _staging(self, ref: UpdateRef, bucket: int, slot: int) -> _Update:

@@ -78,7 +78,8 @@ def _serving_routes(app: FastAPI, receiver: Receiver, api_key: str | None) -> No
     @app.get(PREFIX + "digest")
     async def ws_digest():
         """blake2b of the live weights: equal digests mean the same weights are being served."""
-        return {"digest": await asyncio.to_thread(live_digest, engine.parameters()), "weight_version": engine.version}
+        return {"digest": await asyncio.to_thread(lambda: live_digest(receiver.served_weights())),
+                "weight_version": engine.version}
 
     @app.post(PREFIX + "push_to")
     async def ws_push_to(req: PushToRequest):
@@ -92,7 +93,7 @@ def _serving_routes(app: FastAPI, receiver: Receiver, api_key: str | None) -> No
             sync = WeightSync([req.receiver_url], transport=receiver.transport, bucket_bytes=req.bucket_bytes,
                               timeout_s=req.timeout_s, api_key=api_key, zero_copy=False)
             try:
-                return sync.push(engine.parameters(), engine.version)
+                return sync.push(receiver.served_weights(), engine.version)
             finally:
                 sync.close(close_transport=False)
         stats = await asyncio.to_thread(push)

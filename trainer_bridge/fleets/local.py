@@ -54,6 +54,8 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
         args += ["--weights-from-peer", peer]
     if weight_sync.audit and log_dir is not None:
         args += ["--commit-log", str(log_dir)]
+    if weight_sync.adapter_merge:
+        args += ["--adapter-merge"]
     return args + cpu_share_args(share)
 
 
