@@ -30,6 +30,7 @@ from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Finish, Sequence
 from platforms import choose_device, choose_dtype, platform_of, usable_cores
+from weight_sync import merge_lora
 
 log = logging.getLogger(__name__)
 
@@ -455,7 +456,7 @@ class Engine:
         """The modules an adapter may target to be served in the forward (the fused CPU path's
         projections); empty where the runner computes with the modules themselves (merge instead)."""
         fused = self._fused()
-        return fused.adaptable() if fused is not None else set()
+        return fused.adaptable if fused is not None else set()
 
     @property
     def adapter(self) -> Adapter | None:
@@ -470,9 +471,10 @@ class Engine:
     def swap_adapter(self, tensors: dict[str, torch.Tensor], scales: dict[str, float], version: int) -> Future:
         """Serve the base weights with this adapter as `version` from the next step on (stall seconds):
         the adapter's modules must be `adaptable()`."""
-        adapter = Adapter(dict(tensors), dict(scales), version)
-        if not adapter.modules <= self.adaptable():
-            raise ValueError(f"modules not served in the forward: {sorted(adapter.modules - self.adaptable())[:3]}")
+        adapter = Adapter(dict(tensors), dict(scales))
+        outside = set(adapter.scales) - self.adaptable()
+        if outside:
+            raise ValueError(f"modules not served in the forward: {sorted(outside)[:3]}")
 
         def run():
             t0 = time.perf_counter()
@@ -494,9 +496,8 @@ class Engine:
             return live
         out = dict(live)
         for m, scale in adapter.scales.items():
-            w = live[f"{m}.weight"]
-            a, b = adapter.tensors[f"{m}.lora_A"].float(), adapter.tensors[f"{m}.lora_B"].float()
-            out[f"{m}.weight"] = torch.addmm(w.float(), b, a, alpha=scale).to(w.dtype)
+            out[f"{m}.weight"] = merge_lora(live[f"{m}.weight"], adapter.tensors[f"{m}.lora_A"],
+                                            adapter.tensors[f"{m}.lora_B"], scale)
         return out
 
     def load_from_disk(self, path: str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,6 @@ On a CPU with one thread a step, `cpu_split.SplitStepRunner` wraps a DecoderRunn
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +19,7 @@ from inference_server.blocks import BlockAllocator
 from inference_server.kv_cache import PagedKVCache, SlotKVCache
 from inference_server.paged_kernel import decode_kernel, fused_ops, paged_decode
 from inference_server.sequence import Sequence
+from weight_sync import merge_lora
 
 _FAST_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -130,11 +130,6 @@ class Adapter:
     `scales[m]`; the module computes base(x) + (x @ A^T) @ B^T * scale, as peft's unmerged forward."""
     tensors: dict
     scales: dict
-    version: int
-
-    @property
-    def modules(self) -> set[str]:
-        return set(self.scales)
 
 
 class _Lora:
@@ -175,8 +170,6 @@ class FusedWeights:
     bits); from the step after that is done, the adapter serves merged (an adapter in the forward cost
     13-21% of the generation speed on SmolLM2-135M)."""
 
-    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
     def __init__(self, model, layers, pack: bool):
         self.model, self.layers, self.pack = model, layers, pack
         self.params = [p for p in model.parameters()]
@@ -186,12 +179,8 @@ class FusedWeights:
         self.adapter: Adapter | None = None
         self._served: tuple = (None, [])        # (adapter, the view with it)
         self._names = {id(m): n for n, m in model.named_modules()}
-        self.merge_s = 0.0                       # the last adapter's merge beside the steps
-
-    def adaptable(self) -> set[str]:
-        """The module names an adapter may target to be served in the forward: the projections."""
-        return {self._names[id(getattr(block, n))] for layer in self.layers
-                for block in (layer.self_attn, layer.mlp) for n in self.PROJECTIONS if hasattr(block, n)}
+        # the module names an adapter may target to be served in the forward: the stacked projections'
+        self.adaptable = {self._names[id(m)] for layer in layers for group in self._groups(layer) for m in group}
 
     def current(self) -> list:
         key = tuple(p.data_ptr() for p in self.params)
@@ -214,28 +203,16 @@ class FusedWeights:
         """The adapter merged into stacked weights of its own, then served instead of the forward's
         (unless another adapter or other weights serve by then)."""
         torch.set_num_threads(1)                 # beside the steps, not in their way
-        t0, out, t = time.perf_counter(), [], adapter.tensors
-        for layer, built in zip(self.layers, self.built):
-            projections = []
-            for group, linear in zip(self._groups(layer), built[:4]):
-                names = [self._names[id(m)] for m in group]
-                if not any(n in adapter.scales for n in names):
-                    projections.append(linear)
-                    continue
-                rows = []
-                for n, m in zip(names, group):
-                    w = m.weight
-                    if n in adapter.scales:
-                        a, b = t[f"{n}.lora_A"].float(), t[f"{n}.lora_B"].float()
-                        w = torch.addmm(w.float(), b, a, alpha=adapter.scales[n]).to(w.dtype)
-                    rows.append(w)
-                projections.append(_Linear(group, self.pack, weight=torch.cat(rows) if len(rows) > 1 else rows[0]))
-            out.append((*projections, *built[4:]))
-        out.append(self.built[-1])
+        t = adapter.tensors
+
+        def merged(group, names, linear):
+            rows = [merge_lora(m.weight, t[f"{n}.lora_A"], t[f"{n}.lora_B"], adapter.scales[n])
+                    if n in adapter.scales else m.weight for n, m in zip(names, group)]
+            return _Linear(group, self.pack, weight=torch.cat(rows) if len(rows) > 1 else rows[0])
+        out = self._view(adapter, merged)
         with self._lock:
             if self.adapter is adapter and self._key == key and self._served[0] is adapter:
                 self._served = (adapter, out)
-                self.merge_s = time.perf_counter() - t0
 
     def _groups(self, layer) -> list:
         a, m = layer.self_attn, layer.mlp
@@ -250,17 +227,23 @@ class FusedWeights:
         return out
 
     def _with(self, adapter: Adapter) -> list:
-        out, t = [], adapter.tensors
+        t = adapter.tensors
+
+        def beside(group, names, linear):
+            parts = [(t.get(f"{n}.lora_A"), t.get(f"{n}.lora_B"), adapter.scales.get(n)) for n in names]
+            return _Adapted(linear, _Lora(parts, [m.weight.shape[0] for m in group], self.params[0].dtype))
+        return self._view(adapter, beside)
+
+    def _view(self, adapter: Adapter, project) -> list:
+        """`built` with each stacked projection that the adapter targets replaced by `project(its
+        modules, their names, the base _Linear)`."""
+        out = []
         for layer, built in zip(self.layers, self.built):
             projections = []
             for group, linear in zip(self._groups(layer), built[:4]):
                 names = [self._names[id(m)] for m in group]
-                parts = [(t.get(f"{n}.lora_A"), t.get(f"{n}.lora_B"), adapter.scales.get(n)) for n in names]
-                if all(a is None for a, _, _ in parts):
-                    projections.append(linear)
-                else:
-                    projections.append(_Adapted(linear, _Lora(parts, [m.weight.shape[0] for m in group],
-                                                              self.params[0].dtype)))
+                projections.append(project(group, names, linear) if any(n in adapter.scales for n in names)
+                                   else linear)
             out.append((*projections, *built[4:]))
         out.append(self.built[-1])
         return out

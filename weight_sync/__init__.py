@@ -23,3 +23,15 @@ def live_digest(tensors: Mapping[str, torch.Tensor]) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def merge_lora(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """base + lora_B @ lora_A * scale, in fp32 as peft merges, rounded once to base's dtype (into
+    `out` where given: in fp32 one pass, no temporaries). Every merge of an adapter (a receiver's, the
+    engine's beside its steps, a served-weights digest) goes through here, so all give the same bits."""
+    a, b = lora_a.float(), lora_b.float()
+    if base.dtype == torch.float32:
+        return torch.addmm(base, b, a, alpha=scale, out=out) if out is not None else torch.addmm(base, b, a, alpha=scale)
+    merged = torch.addmm(base.float(), b, a, alpha=scale).to(base.dtype)
+    return out.copy_(merged) if out is not None else merged

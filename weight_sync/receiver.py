@@ -40,7 +40,7 @@ from typing import Callable, Protocol
 import torch
 
 from platforms import platform_of, usable_cores
-from weight_sync import live_digest
+from weight_sync import live_digest, merge_lora
 from weight_sync.audit import AuditLog
 from weight_sync.bucket import DTYPES, Bucket, TensorSpec, host_buffer, is_parts_digest, plan_buckets, unpack_verified
 from weight_sync.delta import DeltaError, restore, unpack_delta, unpack_parts
@@ -445,11 +445,8 @@ class Receiver:
                 dst = out[name]
                 if name in base.adapted:
                     m = name.removesuffix(".weight")
-                    a, b, s = adapter[f"{m}.lora_A"].float(), adapter[f"{m}.lora_B"].float(), update.adapter.scales[m]
-                    if dst.dtype == torch.float32:          # one pass: base + s * (B @ A), no temporaries
-                        torch.addmm(base.weights[name], b, a, alpha=s, out=dst)
-                    else:
-                        dst.copy_(torch.addmm(base.weights[name].float(), b, a, alpha=s))
+                    merge_lora(base.weights[name], adapter[f"{m}.lora_A"], adapter[f"{m}.lora_B"],
+                               update.adapter.scales[m], out=dst)
                 elif not done:
                     dst.copy_(base.weights[name])   # the base's, unless this set holds it already
         # Bound by memory traffic (the base read, the set written once): on a CPU, dealt over a thread

@@ -482,9 +482,10 @@ def resume_adapter(model, checkpoint: Path) -> None:
     """The checkpoint's adapter into `model`'s, once the base `model` was built from is checked to be
     the one the adapter trained on (its digest, kept in the checkpoint)."""
     saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False).get("lora_base_digest")
-    if saved is not None and saved != lora.base_digest(model):
+    ours = lora.base_digest(model) if saved is not None else None
+    if saved != ours:
         raise ConfigError([f"trainer.resume={checkpoint}: its adapter trained on another base model than "
-                           f"model.path's (base digest {saved[:16]} != {lora.base_digest(model)[:16]}); "
+                           f"model.path's (base digest {saved[:16]} != {ours[:16]}); "
                            f"set model.path to that run's base"])
     try:
         lora.load_adapter(model, checkpoint / "adapter")
