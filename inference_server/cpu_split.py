@@ -100,6 +100,7 @@ class SplitStepRunner:
         self.threads, self.team = threads, team
         self.share = 0.5                        # of a split step's work that the helper takes
         self.ways = TwoWays()
+        self.verify_ways = TwoWays()            # steps that verify drafts, apart: other shapes
         self._helper = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="riptide-step-half", initializer=torch.set_num_threads, initargs=(threads,))
 
@@ -128,6 +129,22 @@ class SplitStepRunner:
         if self.team > self.threads:
             self.ways.record(total, way, time.perf_counter() - t)
         return out
+
+    def verify_step(self, decode, verify, prefill, sampler) -> tuple[list[int], list[float]]:
+        """A step with drafts to verify (speculative.py): one part, on the engine thread alone or on
+        the team, whichever measured faster for steps of its size (few rows: the team, on a quiet host)."""
+        if self.team <= self.threads:
+            return self.runner.verify_step(decode, verify, prefill, sampler)
+        total = sum(1 + len(d) for _, d in verify) + len(decode) + sum(s.num_tokens - s.cached for s in prefill)
+        way, t = self.verify_ways.pick(total), time.perf_counter()
+        if way == "team":
+            torch.set_num_threads(self.team)
+        try:
+            return self.runner.verify_step(decode, verify, prefill, sampler)
+        finally:
+            if way == "team":
+                torch.set_num_threads(self.threads)
+            self.verify_ways.record(total, way, time.perf_counter() - t)
 
     def _split(self, decode, prefill, sampler, pos, chunks, row_work, group_work, total):
         b = len(decode)

@@ -29,6 +29,7 @@ from inference_server.model_runner import (Adapter, DecoderRunner, GenericRunner
 from inference_server.sampler import Sampler
 from inference_server.scheduler import Scheduler
 from inference_server.sequence import Finish, Sequence
+from inference_server.speculative import DraftIndex, SpecPolicy, check_mode
 from platforms import choose_device, choose_dtype, platform_of, usable_cores
 from weight_sync import merge_lora
 
@@ -75,6 +76,10 @@ class EngineArgs:
                                            # accelerator's memory) or where the CPU kernel runs, else contiguous
     kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU 25% of available)
     kv_block_size: int = 0                 # positions a block (paged); 0: 128 on CPU, 16 on an accelerator
+    speculative: str = "off"               # drafts from a request's siblings and its prompt's history, verified
+                                           # by the policy (speculative.py): "off", "on" (every step where a draft
+                                           # matches), "auto" (the steps where the measured cost says it pays)
+    speculative_tokens: int = 5            # drafted tokens a row at most
 
 
 @dataclass
@@ -90,6 +95,10 @@ class EngineStats:
     last_swap_stall_s: float = 0.0
     slot_sorts: int = 0
     peak_running: int = 0                  # most sequences running in one step
+    row_forwards: int = 0                  # (sequence, step) pairs: generation_tokens / this = tokens a forward
+    spec_steps: int = 0                    # steps that verified drafts
+    spec_drafted: int = 0                  # tokens drafted, and accepted by the policy
+    spec_accepted: int = 0
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, load_weights: bool = True):
@@ -147,6 +156,7 @@ class Engine:
         if split:
             self.scheduler.pair_newcomers = 4
         self.sampler = Sampler(args.seed, self.device)
+        self._init_speculative(args)
         self.version = args.weight_version if args.load_weights else -1
         self.has_weights = args.load_weights     # False until a peer pushed them (cold start)
         self.weights_torn = False                # an in-place update left the live weights mixed
@@ -184,6 +194,24 @@ class Engine:
         self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
         if paged:
             self.scheduler.blocks = self._kv_runner.blocks
+
+    def _init_speculative(self, args: EngineArgs) -> None:
+        check_mode(args.speculative)
+        if args.speculative_tokens < 1:
+            raise ValueError(f"speculative_tokens={args.speculative_tokens}: expected drafted tokens a row (>= 1)")
+        self.drafts: DraftIndex | None = None
+        self.spec_policy: SpecPolicy | None = None
+        if args.speculative == "off":
+            return
+        if not hasattr(self._kv_runner, "verify_step"):
+            why = ("the paged KV cache (kv_layout=paged or auto)" if supports_fast_path(self.model)
+                   else f"a fast-path model family (llama, mistral, qwen2, qwen3; this is {self.model.config.model_type})")
+            if args.speculative == "on":
+                raise ValueError(f"speculative=on needs {why}")
+            log.warning("speculative=auto: off, it needs %s", why)
+            return
+        self.drafts = DraftIndex()
+        self.spec_policy = SpecPolicy(args.speculative_tokens)
 
     def _auto_paged(self, args: EngineArgs) -> bool:
         """kv_layout=auto: paged under a KV budget (--kv-cache-gb, an accelerator's memory), and on a CPU
@@ -254,14 +282,104 @@ class Engine:
             total = computed
         self.stats.prompt_tokens += total
         self.stats.peak_running = max(self.stats.peak_running, len(seqs))
-        tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
+        drafts = self._propose(decode, prefill) if self.drafts is not None and decode else {}
+        if drafts:
+            verify = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
+            plain = [s for s in decode if id(s) not in drafts]
+            states = {id(s): s.generator.get_state() for s, _ in verify if s.generator is not None}
+            tokens, logprobs = self.runner.verify_step(plain, verify, prefill, self.sampler)
+        else:
+            tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
         if blocks is not None and blocks.epoch is not None:
             for s in prefill:              # its prompt's full blocks, for whoever comes with the same tokens
                 blocks.cache(s.all_ids, s.blocks, s.num_tokens)
-        self._postprocess(seqs, tokens, logprobs)
+        if drafts:
+            r = len(plain)
+            emitted, accepted = self._postprocess(plain, tokens[:r], logprobs[:r]), 0
+            for s, d in verify:
+                kept, ok = self._accept(s, d, tokens[r:r + 1 + len(d)], logprobs[r:r + 1 + len(d)], states.get(id(s)))
+                emitted, accepted, r = emitted + kept, accepted + ok, r + 1 + len(d)
+            emitted += self._postprocess(prefill, tokens[r:], logprobs[r:])
+            drafted = sum(len(d) for _, d in verify)
+            self.stats.spec_steps += 1
+            self.stats.spec_drafted += drafted
+            self.stats.spec_accepted += accepted
+            if self.spec_policy is not None:
+                self.spec_policy.drafted(len(decode), drafted, accepted)
+        else:
+            emitted = self._postprocess(seqs, tokens, logprobs)
+        if self.drafts is not None:
+            for s in seqs:
+                self.drafts.update(s, self.version)
+                if s.finished:
+                    self.drafts.forget(s)
         self.stats.steps += 1
-        self.stats.generation_tokens += len(seqs)
-        self.stats.busy_seconds += time.perf_counter() - t0
+        self.stats.row_forwards += len(seqs)
+        self.stats.generation_tokens += emitted
+        seconds = time.perf_counter() - t0
+        self.stats.busy_seconds += seconds
+        if self.spec_policy is not None and not prefill:
+            self.spec_policy.record(len(tokens), seconds)
+
+    def _propose(self, decode: list[Sequence], prefill: list[Sequence]) -> dict[int, list[int]]:
+        """Drafts for this step's decode rows (by id), with the KV blocks their positions need; none
+        when `auto` finds the step would not pay."""
+        if self.spec_policy is not None and self.args.speculative == "auto" and \
+                not self.spec_policy.should_draft(len(decode), sum(s.num_tokens - s.cached for s in prefill)):
+            return {}
+        blocks, out = self.scheduler.blocks, {}
+        for s in decode:
+            p = s.params
+            if p.top_logprobs or not s.output_ids:
+                continue
+            k = min(self.args.speculative_tokens, p.max_new_tokens - len(s.output_ids) - 1,
+                    self.context_length - s.num_tokens - 1)
+            d = self.drafts.propose(s, k) if k > 0 else []
+            if not d:
+                continue
+            need = blocks.needed(s.blocks, s.num_tokens + len(d))
+            if need > blocks.num_free:
+                continue
+            if need:
+                s.blocks += blocks.alloc(need)
+            out[id(s)] = d
+        return out
+
+    def _accept(self, seq: Sequence, drafts: list[int], tokens: list[int], logprobs: list[float],
+                state) -> tuple[int, int]:
+        """The tokens sampled at a verify span's rows, kept up to and including the first that is not
+        its draft (all of them when every draft matched), each checked for the end as a decode
+        step's. A seeded request's generator ends as if each kept token had been
+        drawn by a step of its own. Returns (tokens kept, drafts accepted)."""
+        seq.forwards += 1
+        kept = 0
+        for j, (token, logprob) in enumerate(zip(tokens, logprobs)):
+            seq.append(token, logprob, self.version)
+            kept += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
+                break
+            if j == len(drafts) or token != drafts[j]:
+                break
+        accepted = 0
+        while accepted < min(kept, len(drafts)) and tokens[accepted] == drafts[accepted]:
+            accepted += 1
+        seq.spec_drafted += len(drafts)
+        seq.spec_accepted += accepted
+        if state is not None:
+            seq.generator.set_state(state)
+            for _ in range(kept):
+                torch.rand(1, generator=seq.generator)
+        if not seq.finished:
+            blocks = self.scheduler.blocks      # the rejected drafts' positions past the sequence's blocks
+            keep = blocks.blocks_for(seq.num_tokens)
+            if len(seq.blocks) > keep:
+                blocks.free(seq.blocks[keep:])
+                del seq.blocks[keep:]
+            if seq.stream:
+                self._notify(seq)
+        return kept, accepted
 
     def _set_kv_epoch(self, blocks) -> None:
         """The prefix cache keeps blocks computed under the weights serving now; new weights (or
@@ -300,14 +418,16 @@ class Engine:
             self.stats.prompt_tokens += 1                     # its last prompt token is computed
         return decode + shared, rest
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> None:
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> int:
         for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.forwards += 1
             seq.append(token, logprob, self.version)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
             elif seq.stream:
                 self._notify(seq)
+        return len(seqs)
 
     def _finish_reason(self, seq: Sequence, token: int) -> dict | None:
         p = seq.params

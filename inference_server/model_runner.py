@@ -359,14 +359,23 @@ class DecoderRunner:
         return sampler(self.forward(decode, prefill), decode + prefill)
 
     def part(self, decode: list[Sequence], pos: list[int], slot0: int, chunks,
-             prefill: list[Sequence]) -> torch.Tensor:
+             prefill: list[Sequence], verify: list[tuple[Sequence, list[int]]] = ()) -> torch.Tensor:
         """Decode rows `decode` at positions `pos` (slots slot0 ...; `chunks` in absolute slots)
-        plus the newcomers."""
+        plus the newcomers. `verify` (paged runners; speculative decoding): running sequences, each
+        with drafted tokens: its last token and the drafts are computed as one span over its cached
+        keys and values, and every one of their rows comes back. Returns the logits of the decode
+        rows, then of each verify span's rows, then of each newcomer's last token."""
         b = len(decode)
         ids = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in decode]
-        pos = list(pos)                              # extended below by the newcomers' positions
-        spans = []                                   # (seq, first row, rows) of each newcomer: its uncached positions
+        pos = list(pos)                              # extended below by the spans' positions
+        spans = []                                   # (seq, first row, rows, first position) of each span
         copies = []                                  # (seq, span index): the same tokens as that newcomer
+        for s, drafts in verify:
+            p0 = s.num_tokens - 1
+            spans.append((s, len(ids), 1 + len(drafts), p0))
+            ids += [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1], *drafts]
+            pos += range(p0, p0 + 1 + len(drafts))
+        checked = len(ids)
         first: dict[tuple, int] = {}
         for s in prefill:
             key = (s.cached, *s.all_ids)
@@ -374,22 +383,24 @@ class DecoderRunner:
                 copies.append((s, first[key]))
                 continue
             first[key] = len(spans)
-            spans.append((s, len(ids), s.num_tokens - s.cached))
+            spans.append((s, len(ids), s.num_tokens - s.cached, s.cached))
             ids += s.all_ids[s.cached:]
             pos += range(s.cached, s.num_tokens)
         tokens = torch.tensor(ids, device=self.device)
         positions = torch.tensor(pos, device=self.device)
         attend = self._attention(decode, pos, slot0, chunks, positions, spans, copies)
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
-        last = {id(s): start + n - 1 for s, start, n in spans}
+        if not prefill:
+            return self._logits(x)
+        last = {id(s): start + n - 1 for s, start, n, _ in spans}
         for s, i in copies:
             last[id(s)] = spans[i][1] + spans[i][2] - 1
-        rows = list(range(b)) + [last[id(s)] for s in prefill]
-        return self._logits(x[torch.tensor(rows, device=self.device)] if prefill else x)
+        rows = list(range(checked)) + [last[id(s)] for s in prefill]
+        return self._logits(x[torch.tensor(rows, device=self.device)])
 
     def _prefill_attention(self, out, q, k, v, spans) -> None:
         """Each newcomer attends over its own tokens, computed this step (causal)."""
-        for s, start, n in spans:
+        for s, start, n, _ in spans:
             qs, ks, vs = (t[start:start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
             o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True,
                                                scale=self.scaling, enable_gqa=True)
@@ -417,10 +428,10 @@ class DecoderRunner:
                     ks, vs = self.kv.rows(layer, slot0 + start, slot0 + end, longest)
                     self._decode_attention(out, q, start, end, ks, vs, mask)
             self._prefill_attention(out, q, k, v, spans)
-            for s, start, n in spans:
+            for s, start, n, _ in spans:
                 self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
             for s, i in copies:
-                _, start, n = spans[i]
+                _, start, n, _ = spans[i]
                 self.kv.write_prefill(layer, s.slot, k[start:start + n].transpose(0, 1), v[start:start + n].transpose(0, 1))
             return out.flatten(1)
         return attend
@@ -527,11 +538,11 @@ class PagedDecoderRunner(DecoderRunner):
         for i, s in enumerate(decode):
             src.append(i)
             base.append(at(s, pos[i]))
-        for s, start, n in spans:
+        for s, start, n, p0 in spans:
             src += range(start, start + n)
-            base += [at(s, p) for p in range(s.cached, s.cached + n)]
+            base += [at(s, p) for p in range(p0, p0 + n)]
         for s, i in copies:                           # s.cached == first.cached: a multiple of bs
-            first, start, n = spans[i]
+            first, start, n, _ = spans[i]
             lo, full = s.cached // bs, (s.cached + n) // bs
             self.blocks.free(s.blocks[lo:full])
             s.blocks[lo:full] = self.blocks.ref(first.blocks[lo:full])
@@ -569,21 +580,30 @@ class PagedDecoderRunner(DecoderRunner):
         return attend
 
     def _prefill_attention(self, out, q, k, v, spans, layer: int = 0) -> None:
-        """Newcomers with a cached prefix attend over it (read from their blocks, this step's keys
-        and values already written there) and over their own tokens, causally; the rest as usual."""
-        fresh = [span for span in spans if not span[0].cached]
+        """Newcomers with a cached prefix, and sequences verifying drafts, attend over their earlier
+        positions (read from their blocks, this step's keys and values already written there) and
+        over their own tokens, causally; the rest as usual."""
+        fresh = [span for span in spans if not span[3]]
         super()._prefill_attention(out, q, k, v, fresh)
-        for s, start, n in spans:
-            if not s.cached:
+        for s, start, n, p0 in spans:
+            if not p0:
                 continue
-            total = s.cached + n
+            total = p0 + n
             idx = self._table([s], -(-total // self.block_size))
             ks, vs = (pages.index_select(0, idx).view(self.num_kv_heads, -1, self.head_dim)[:, :total]
                       for pages in self.kv.pages(layer))
-            seen = torch.arange(total, device=self.device)[None, :] <= torch.arange(s.cached, total, device=self.device)[:, None]
+            seen = torch.arange(total, device=self.device)[None, :] <= torch.arange(p0, total, device=self.device)[:, None]
             o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1)[None], ks[None], vs[None],
                                                attn_mask=seen, scale=self.scaling, enable_gqa=True)
             out[start:start + n] = o[0].transpose(0, 1)
+
+    def verify_step(self, decode: list[Sequence], verify: list[tuple[Sequence, list[int]]],
+                    prefill: list[Sequence], sampler) -> tuple[list[int], list[float]]:
+        """A step whose `verify` rows check drafted tokens (speculative.py): a token and logprob
+        sampled at every row, in the order decode, each verify span's rows, prefill."""
+        pos = [s.num_tokens - 1 for s in decode]
+        logits = self.part(decode, pos, 0, self.plan(decode, pos), prefill, verify)
+        return sampler(logits, decode + [s for s, d in verify for _ in range(1 + len(d))] + prefill)
 
     def _attention_in_place(self, decode, pos, spans, copies):
         """attend() whose decode rows read their keys and values from the blocks (the kernel), with

@@ -68,6 +68,9 @@ class Sequence:
     num_retractions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     generator: Any = None                     # torch.Generator when params.seed is set
+    forwards: int = 0                         # forward passes its tokens came from (fewer than tokens with drafts)
+    spec_drafted: int = 0                     # speculative decoding: tokens drafted for it, and accepted
+    spec_accepted: int = 0
 
     @property
     def num_tokens(self) -> int:
