@@ -219,6 +219,9 @@ class Server:
             "weight_version": str(seq.output_versions[n - 1] if n else self.engine.version),
             "output_token_versions": seq.output_versions[:n],
             "kv_cache_weight_version": seq.prefill_version,
+            "spec_verify_ct": seq.forwards,                 # forwards its tokens came from (speculative: fewer)
+            "spec_draft_tokens": seq.spec_drafted,
+            "spec_accepted_tokens": seq.spec_accepted,
             "e2e_latency": time.monotonic() - seq.arrival,
         }
         if return_logprob:

@@ -24,6 +24,10 @@ class _EngineCollector:
             ("riptide_weight_updates", "Weight versions swapped in", s.weight_updates),
             ("riptide_preemptions", "Sequences preempted when KV blocks ran out (re-prefilled later)",
              e.scheduler.preemptions),
+            ("riptide_spec_draft_tokens", "Tokens drafted for speculative decoding", s.spec_drafted),
+            ("riptide_spec_accepted_tokens", "Drafted tokens the policy accepted", s.spec_accepted),
+            ("riptide_spec_steps", "Engine steps that verified drafts", s.spec_steps),
+            ("riptide_row_forwards", "Sequence-steps: tokens generated over this is tokens a forward", s.row_forwards),
             ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
              e.scheduler.cached_tokens),
         ):

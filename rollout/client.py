@@ -46,6 +46,9 @@ class Generation:
     finish: Finish
     text: str
     segment: list | None = None      # [server url, wall-clock start, end]: where and when it was generated
+    forwards: int = 0                # forward passes the tokens came from (speculative decoding: fewer than tokens)
+    drafted: int = 0                 # speculative decoding: tokens drafted, and accepted
+    accepted: int = 0
 
 
 class ServerClient:
@@ -109,7 +112,9 @@ class ServerClient:
                 versions = [int(meta.get("weight_version"))] * len(ids)
             except (TypeError, ValueError):
                 versions = [fallback_version] * len(ids)
-        return Generation(ids, lps, versions, Finish(meta["finish_reason"]["type"]), out.get("text", ""))
+        return Generation(ids, lps, versions, Finish(meta["finish_reason"]["type"]), out.get("text", ""),
+                          forwards=int(meta.get("spec_verify_ct") or len(ids)),
+                          drafted=int(meta.get("spec_draft_tokens") or 0), accepted=int(meta.get("spec_accepted_tokens") or 0))
 
     async def abort(self, rids: list[str]) -> None:
         """Abort requests by rid: one call on a Riptide server; one call per rid on a plain SGLang one."""

@@ -43,6 +43,9 @@ class RolloutContext:
             sample.append_generated(gen.output_ids, gen.logprobs, gen.versions, gen.segment)
             made += len(gen.output_ids)
             metrics.tokens_generated += len(gen.output_ids)
+            metrics.token_forwards += gen.forwards or len(gen.output_ids)
+            metrics.spec_drafted += gen.drafted
+            metrics.spec_accepted += gen.accepted
             self.server = client
             if gen.finish is not Finish.ABORT:
                 sample.status = SampleStatus.COMPLETED if gen.finish is Finish.STOP else SampleStatus.TRUNCATED

@@ -190,3 +190,34 @@ def test_auto_drafts_where_the_measured_cost_pays_and_not_at_a_full_batch():
             policy.record(rows, 0.040 + 0.002 * rows)
     assert policy.should_draft(1) and policy.should_draft(4)
     assert not policy.should_draft(64)
+
+
+def test_a_server_reports_drafts_per_request_and_in_its_metrics(tiny_model, tmp_path_factory):
+    import requests
+    from conftest import start_server
+    srv = start_server(tiny_model, tmp_path_factory, "--speculative", "on", "--speculative-tokens", "4")
+    try:
+        out = requests.post(f"{srv.url}/generate", json={
+            "input_ids": [11, 12, 13, 14, 15], "return_logprob": True,
+            "sampling_params": {"n": 8, "max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}},
+            timeout=120).json()
+        metas = [o["meta_info"] for o in out]
+        assert all(m["completion_tokens"] == 48 for m in metas)
+        assert sum(m["spec_accepted_tokens"] for m in metas) > 0
+        assert all(m["spec_verify_ct"] + m["spec_accepted_tokens"] == 48 for m in metas)
+        text = requests.get(f"{srv.url}/metrics", timeout=30).text
+        drafted = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("riptide_spec_draft_tokens_total")]
+        assert drafted and drafted[0] >= sum(m["spec_draft_tokens"] for m in metas) > 0
+    finally:
+        srv.stop()
+
+
+def test_speculative_on_where_it_cannot_run_is_refused_by_name(tmp_path):
+    from inference_server.tiny_model import build_tiny_model
+    path = str(build_tiny_model(tmp_path / "m", hidden=64, layers=1, heads=2, kv_heads=1, vocab=300))
+    with pytest.raises(ValueError, match="speculative=on needs the paged KV cache"):
+        engine_args = EngineArgs(path, context_length=128, kv_layout="contiguous", speculative="on")
+        Engine(engine_args)
+    with pytest.raises(ValueError, match="speculative='fast'"):
+        Engine(EngineArgs(path, context_length=128, speculative="fast"))

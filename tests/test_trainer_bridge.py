@@ -48,6 +48,7 @@ def last_json(stdout: str) -> dict:
     ("trainer.off_policy=ppo", ["trainer.off_policy", "behaviour_clip | decoupled | icepop"]),
     ("rollout.oversample=0.5", ["rollout.oversample", ">= 1.0"]),
     ("trainer.world_size=0", ["trainer.world_size", ">= 1"]),
+    ("server.speculative=maybe", ["server.speculative='maybe'", "off, auto or on"]),
     ("task=nosuchtask", ["nosuchtask"]),
 ])
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, words):
@@ -271,7 +272,8 @@ def short_run(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"short_w{world}")
             # on 2 ranks, rollout.on_policy_warmup_kl's measure too (a collective forward on every
             # rank after the push); its limit ends the warm-up at the first measure
-            extra = ["rollout.on_policy_warmup_kl=10"] if world > 1 else []
+            # on 1 rank, speculative decoding where it pays (the drafts' metrics reach wandb)
+            extra = ["rollout.on_policy_warmup_kl=10"] if world > 1 else ["server.speculative=auto"]
             proc = train(tmp, *SHORT, f"trainer.world_size={world}", *extra)
             assert proc.returncode == 0, proc.stderr[-3000:]
             lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -301,8 +303,10 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     # out staler for it; the last step's push is waited for
     assert sum(r["sync/overlapped"] for r in lines) >= 25 and lines[49]["sync/overlapped"] == 0
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
-                "rollout/tokens_per_s", "time/wait_for_data_s"):
+                "rollout/tokens_per_s", "time/wait_for_data_s", "rollout/spec_drafted", "rollout/spec_accepted",
+                "rollout/tokens_per_forward"):
         assert key in lines[-1]
+    assert lines[-1]["rollout/tokens_per_forward"] >= 1.0
     assert servers_of(tmp_path) == []
 
 

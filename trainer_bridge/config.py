@@ -214,6 +214,10 @@ class ServerConfig:
                                 "accelerator, 85% of its free memory after the weights)")
     kv_layout: KvLayout = f(KvLayout.auto, "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
                                "(blocks by tokens held) | contiguous (a full-context slot a sequence)")
+    speculative: str = f("off", "speculative decoding of the tail in the embedded servers: off | auto (drafts from a "
+                                "group's siblings and its prompt's history where the measured step cost says they pay) "
+                                "| on (every step a draft matches); what is sampled is unchanged either way")
+    speculative_tokens: int = f(5, "drafted tokens a sequence a step at most (speculative)")
     api_key: str = f("", "bearer token of the servers (default: $RIPTIDE_API_KEY, else a new secret each run when "
                          "the job starts servers off loopback); never written to config.yaml, wandb or a command line")
     start_timeout_s: float = f(180.0, "how long a server may take to come up")
@@ -237,6 +241,12 @@ class ServerConfig:
             (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.kv_cache_gb >= 0, f"server.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0: the device's default)"),
+            (self.speculative in ("off", "auto", "on"),
+             f"server.speculative={self.speculative!r}: use off, auto or on"),
+            (self.speculative_tokens >= 1, f"server.speculative_tokens={self.speculative_tokens}: must be >= 1"),
+            (self.engine != "vllm" or self.speculative == "off",
+             f"server.speculative={self.speculative!r} is the embedded engine's: with server.engine=vllm give vLLM's "
+             f"own speculative flags in server.vllm_args"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
              f"server.dtype={self.dtype!r}: use auto, float32, bfloat16 or float16"),
             (self.start_timeout_s > 0, f"server.start_timeout_s={self.start_timeout_s}: must be > 0"),

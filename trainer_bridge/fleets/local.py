@@ -56,6 +56,8 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
         args += ["--commit-log", str(log_dir)]
     if weight_sync.adapter_merge:
         args += ["--adapter-merge"]
+    if server.speculative != "off":
+        args += ["--speculative", server.speculative, "--speculative-tokens", str(server.speculative_tokens)]
     return args + cpu_share_args(share)
 
 
