@@ -2,6 +2,7 @@
 
     python bench/long_tail.py [--steps 40] [--train-share 0.3] [--oversample 4.0] [--max-staleness 4]
                               [--async-inflight 96] [--stale-policy keep] [--servers 2] [--order abba] [--quick]
+                              [--speculative off|auto|on]
 
 --servers (2) real servers (`python -m inference_server`, --max-running-requests 64 --context-length 1200,
 plus `process.cpu_share_args`: on 2 cores, one decode thread each and no split steps) behind one Router,
@@ -493,6 +494,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--order", default="abba", choices=["abba", "ab"],
                    help="abba: half the sync steps, the async run, the other half (cancels a drift in the "
                         "machine's speed); ab: all sync steps, then async")
+    p.add_argument("--speculative", default="off", choices=["off", "auto", "on"],
+                   help="the servers' --speculative (drafts from a group's siblings, verified by the policy), both modes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="4 steps, batch 8")
     p.add_argument("--server-log", default=None)
@@ -514,7 +517,7 @@ def main(argv: list[str] | None = None) -> None:
     from inference_server.process import ServerProcess, cpu_share_args
     path = model_dir(args.hidden, args.layers)
     server_args = ["--max-running-requests", str(args.max_running), "--context-length", "1200",
-                   *cpu_share_args(args.servers)]
+                   "--speculative", args.speculative, *cpu_share_args(args.servers)]
     t = time.monotonic()
     with contextlib.ExitStack() as stack:
         urls = []
@@ -523,6 +526,7 @@ def main(argv: list[str] | None = None) -> None:
             urls.append(stack.enter_context(ServerProcess(path, args=server_args, log_path=log_path)).url)
         log(f"{args.servers} server(s) up at {', '.join(urls)} in {time.monotonic() - t:.1f}s")
         result = asyncio.run(bench(args, urls, path))
+    result["speculative"] = args.speculative
     print(json.dumps(result), flush=True)
 
 

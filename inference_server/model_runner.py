@@ -388,7 +388,7 @@ class DecoderRunner:
             pos += range(s.cached, s.num_tokens)
         tokens = torch.tensor(ids, device=self.device)
         positions = torch.tensor(pos, device=self.device)
-        attend = self._attention(decode, pos, slot0, chunks, positions, spans, copies)
+        attend = self._attention(decode, pos, slot0, chunks, positions, spans, copies, len(verify))
         x = self._layers(self.decoder.embed_tokens(tokens), positions, attend)
         if not prefill:
             return self._logits(x)
@@ -414,9 +414,10 @@ class DecoderRunner:
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scaling)
         out[start:end] = o.view(end - start, self.num_heads, self.head_dim)
 
-    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
+    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies, nverify: int = 0):
         """attend(layer, q, k, v) for `_layers`: writes this step's keys and values into the slots
-        and returns the attention output of every token."""
+        and returns the attention output of every token (the first `nverify` spans verify drafts:
+        paged runners only)."""
         b = len(decode)
         planned = self._decode_chunks(chunks, slot0, pos, positions[:b]) if b else []
 
@@ -553,9 +554,9 @@ class PagedDecoderRunner(DecoderRunner):
         base_t = torch.tensor(base, dtype=torch.long, device=self.device)
         return (src_t[:, None] * kvh + heads).flatten(), (base_t[:, None] + heads * bs).flatten()
 
-    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies):
+    def _attention(self, decode, pos, slot0, chunks, positions, spans, copies, nverify: int = 0):
         if self.kernel is not None:
-            return self._attention_in_place(decode, pos, spans, copies)
+            return self._attention_in_place(decode, pos, spans, copies, nverify)
         b, bs = len(decode), self.block_size
         planned = []
         for start, end, longest, mask in (self._decode_chunks(chunks, slot0, pos, positions[:b]) if b else []):
@@ -605,15 +606,20 @@ class PagedDecoderRunner(DecoderRunner):
         logits = self.part(decode, pos, 0, self.plan(decode, pos), prefill, verify)
         return sampler(logits, decode + [s for s, d in verify for _ in range(1 + len(d))] + prefill)
 
-    def _attention_in_place(self, decode, pos, spans, copies):
+    def _attention_in_place(self, decode, pos, spans, copies, nverify: int = 0):
         """attend() whose decode rows read their keys and values from the blocks (the kernel), with
-        no gather and no padding: one call a layer for every decode row."""
-        b, bs = len(decode), self.block_size
-        nb = -(-(max(pos, default=0) + 1) // bs)
-        table = torch.tensor([s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in decode], dtype=torch.long)
+        no gather and no padding: one call a layer for every decode row. A span verifying drafts
+        goes in as rows of its own, one a position, each over its sequence's blocks up to and
+        including its position (this step's keys and values are written before the kernel reads)."""
+        bs = self.block_size
+        rows = list(decode) + [s for s, _, n, _ in spans[:nverify] for _ in range(n)]
+        b = len(rows)
+        nb = -(-(max(pos[:b], default=0) + 1) // bs)
+        table = torch.tensor([s.blocks[:nb] + [0] * (nb - len(s.blocks[:nb])) for s in rows], dtype=torch.long)
         lens = torch.tensor([p + 1 for p in pos[:b]], dtype=torch.long)
         src, dst = self._writes(decode, pos, spans, copies)
         threads = torch.get_num_threads()
+        rest = spans[nverify:]
 
         def attend(layer, q, k, v):
             out = torch.empty_like(q)
@@ -623,7 +629,7 @@ class PagedDecoderRunner(DecoderRunner):
             if b:
                 paged_decode(self.kernel, q[:b], self.kv.k[layer], self.kv.v[layer], table, lens, out[:b],
                              self.scaling, threads)
-            self._prefill_attention(out, q, k, v, spans, layer)
+            self._prefill_attention(out, q, k, v, rest, layer)
             return out.flatten(1)
         return attend
 

@@ -53,8 +53,8 @@ class DraftIndex:
     the prompts used least recently go first."""
 
     def __init__(self, max_ngram: int = 4, keep_versions: int = 2, max_tokens: int = 200_000,
-                 min_score: float = 0.15):
-        self.max_ngram, self.keep_versions = max_ngram, keep_versions
+                 min_score: float = 0.3, min_ngram: int = 2):
+        self.max_ngram, self.keep_versions, self.min_ngram = max_ngram, keep_versions, min_ngram
         self.max_tokens, self.min_score = max_tokens, min_score
         self._prompts: OrderedDict[tuple, _Prompt] = OrderedDict()
         self._indexed: dict[int, int] = {}          # id(sequence) -> positions of it indexed so far
@@ -112,7 +112,7 @@ class DraftIndex:
         self._indexed.pop(id(seq), None)
 
     def _next(self, entry: _Prompt, ctx: list[int]) -> tuple[int, float] | None:
-        for n in range(min(self.max_ngram, len(ctx)), 0, -1):
+        for n in range(min(self.max_ngram, len(ctx)), self.min_ngram - 1, -1):
             key = tuple(ctx[-n:])
             found = [c for table in entry.tables.values() if (c := table.get(key))]
             if not found:
@@ -124,7 +124,7 @@ class DraftIndex:
                     for t, n_ in c.items():
                         total[t] = total.get(t, 0) + n_
             token, count = max(total.items(), key=lambda kv: kv[1])
-            return token, count / sum(total.values())
+            return token, count / (sum(total.values()) + 1)     # one unseen continuation: a lone match is no certainty
         return None
 
     def propose(self, seq, k: int) -> list[int]:
@@ -190,23 +190,27 @@ class SpecPolicy:
                 return max(t0 + (t1 - t0) * (rows - n0) / (n1 - n0), 1e-6)
         return None
 
-    def expected_accepted(self, rows: int) -> float:
-        a, k = min(self.acceptance, 0.999), max(1e-9, self.drafts_per_row)
+    def expected_accepted(self, rows: int, acceptance: float | None = None) -> float:
+        a = min(self.acceptance if acceptance is None else acceptance, 0.999)
+        k = max(1e-9, self.drafts_per_row)
         return rows * a * (1 - a ** k) / (1 - a)
 
     def should_draft(self, rows: int, prefill_tokens: int = 0) -> bool:
-        """Whether a step of `rows` decode rows (and newcomers' `prefill_tokens`) drafts."""
+        """Whether a step of `rows` decode rows (and newcomers' `prefill_tokens`) drafts: when the
+        measured costs and the acceptance so far say it pays; now and then (`explore_every` steps)
+        also where it would pay at an acceptance of 0.9 though not at the one so far (acceptance
+        changes with the prompts and the weights), and every 16 steps while fewer than two step sizes
+        are measured (at 16 rows or fewer). Never where it could not pay even if nearly every draft were accepted."""
         self._since += 1
         plain = rows + prefill_tokens
-        with_drafts = plain + rows * self.drafts_per_row
-        t0, t1 = self.cost(plain), self.cost(with_drafts)
-        if t0 is None or t1 is None or max(1, math.ceil(with_drafts)).bit_length() not in self.points:
-            explore = True
+        t0, t1 = self.cost(plain), self.cost(plain + rows * self.drafts_per_row)
+        if t0 is None or t1 is None:
+            explore = self._since >= 16 and rows <= 16
         else:
-            explore = False
-            if (rows + self.expected_accepted(rows)) / t1 > self.margin * rows / t0:
+            gain = self.margin * rows / t0
+            if (rows + self.expected_accepted(rows)) / t1 > gain:
                 return True
-        if self._since >= self.explore_every or (explore and self._since >= 4):
+            explore = (rows + self.expected_accepted(rows, 0.9)) / t1 > gain and self._since >= self.explore_every
+        if explore:
             self._since = 0
-            return True
-        return False
+        return explore
