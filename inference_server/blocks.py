@@ -11,6 +11,11 @@ used first out, until a block is needed. A newcomer whose tokens begin with cach
 (`match`) and computes only the rest: a partial rollout resumed under the same weights, a
 preempted sequence re-admitted, a multi-turn request, the later samples of a group. A new epoch
 (new weights, or weights left torn: None) forgets every cached block.
+
+A second tier (`tier`, kv_tier.py): a cached block evicted for room is first handed to it (its keys and
+values copied out, keyed by its chain hash, the chain hash before it and its tokens); a newcomer whose
+tokens go on past the cached blocks finds the next ones there, and they are loaded into fresh blocks
+(and cached again) instead of computed.
 """
 from __future__ import annotations
 
@@ -30,8 +35,10 @@ class BlockAllocator:
         self._refs = [0] * num_blocks
         self.epoch: int | None = None                 # the prefix cache is on while this is not None
         self._cached: dict[int, int] = {}              # chain hash -> block
-        self._meta: dict[int, tuple[int, int, tuple]] = {}     # block -> (chain hash, block before it or -1, tokens)
+        self._meta: dict[int, tuple[int, int, tuple, int]] = {}  # block -> (chain hash, block before it or -1, tokens,
+                                                                 #          chain hash before it or 0)
         self._idle: OrderedDict[int, None] = OrderedDict()     # cached blocks nobody holds, oldest first
+        self.tier = None          # kv_tier.TierLink: where evicted cached blocks go, and come back from
 
     @property
     def num_free(self) -> int:
@@ -89,6 +96,8 @@ class BlockAllocator:
         if epoch == self.epoch:
             return
         self.epoch = epoch
+        if self.tier is not None:
+            self.tier.set_epoch(epoch)
         for b in self._meta:
             if b in self._idle:
                 self._free.append(b)
@@ -109,33 +118,51 @@ class BlockAllocator:
         in `blocks`), computed under this epoch's weights."""
         if self.epoch is None:
             return
-        parent = -1
+        parent, before = -1, 0
         for i, h, chunk in self._chain(ids, min(valid // self.block_size, len(blocks))):
             have = self._cached.get(h)
             if have is None and blocks[i] not in self._meta:
-                self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk)
+                self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk, before)
                 have = blocks[i]
-            elif have is None or self._meta[have][1:] != (parent, chunk):
+            elif have is None or self._meta[have][1:3] != (parent, chunk):
                 return                                     # a hash shared by other tokens: stop here
-            parent = have
+            parent, before = have, h
 
     def match(self, ids: list[int]) -> list[int]:
         """The cached blocks `ids` begins with (all but its last token at most: that one's logits
-        are computed), taken by reference."""
-        if self.epoch is None or not self._cached:
+        are computed), taken by reference; past the last one the pool holds, those the tier holds,
+        loaded into fresh blocks."""
+        if self.epoch is None or not (self._cached or self.tier is not None and self.tier.size):
             return []
-        out, parent = [], -1
+        out, parent, before = [], -1, 0
         for _, h, chunk in self._chain(ids, (len(ids) - 1) // self.block_size):
             b = self._cached.get(h)
-            if b is None or self._meta[b][1:] != (parent, chunk):
+            if b is None:
+                b = self._load(h, before, chunk, parent)
+                if b is None:
+                    break
+            elif self._meta[b][1:3] != (parent, chunk):
                 break
-            out.append(b)
-            parent = b
-        for b in out:
-            if self._refs[b] == 0:
+            elif self._refs[b] == 0:
                 del self._idle[b]
-            self._refs[b] += 1
+                self._refs[b] = 1
+            else:
+                self._refs[b] += 1
+            out.append(b)
+            parent, before = b, h
         return out
+
+    def _load(self, h: int, before: int, chunk: tuple, parent: int) -> int | None:
+        """The block of chain hash `h` from the tier, into a fresh block cached as the pool's would be
+        (held once, by the caller), or None when the tier has not got it (or it failed its digest)."""
+        if self.tier is None or not self.tier.has(h, before, chunk) or self.num_free < 1:
+            return None
+        b = self.alloc(1)[0]
+        if not self.tier.load(h, before, chunk, b):
+            self.free([b])
+            return None
+        self._cached[h], self._meta[b] = b, (h, parent, chunk, before)
+        return b
 
     def release(self, seq) -> None:
         """A sequence lets go of its blocks; the full ones among its computed positions (all but
@@ -147,5 +174,8 @@ class BlockAllocator:
 
     def _evict(self) -> int:
         b, _ = self._idle.popitem(last=False)
-        del self._cached[self._meta.pop(b)[0]]
+        h, _, chunk, before = self._meta.pop(b)
+        del self._cached[h]
+        if self.tier is not None:
+            self.tier.save(b, h, before, chunk)        # its keys and values, before the block is reused
         return b

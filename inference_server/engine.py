@@ -76,6 +76,7 @@ class EngineArgs:
                                            # accelerator's memory) or where the CPU kernel runs, else contiguous
     kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU 25% of available)
     kv_block_size: int = 0                 # positions a block (paged); 0: 128 on CPU, 16 on an accelerator
+    kv_host_gb: float = 0.0                # paged: a second tier in host memory for evicted prefix-cache blocks (kv_tier.py)
     speculative: str = "off"               # drafts from a request's siblings and its prompt's history, verified
                                            # by the policy (speculative.py): "off", "on" (every step where a draft
                                            # matches), "auto" (the steps where the measured cost says it pays)
@@ -194,6 +195,15 @@ class Engine:
         self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
         if paged:
             self.scheduler.blocks = self._kv_runner.blocks
+        if args.kv_host_gb:
+            if args.kv_host_gb < 0:
+                raise ValueError(f"kv_host_gb={args.kv_host_gb}: expected GiB of host memory (> 0), or 0 for none")
+            if not paged or not args.prefix_cache:
+                raise ValueError("kv_host_gb: the host tier holds prefix-cache blocks, so it needs the paged KV cache "
+                                 "(kv_layout=paged or auto under a budget) and the prefix cache")
+            from inference_server.kv_tier import HostTier
+            blocks = self._kv_runner.blocks
+            blocks.tier = HostTier(int(args.kv_host_gb * 2**30), self._kv_runner.kv, blocks)
 
     def _init_speculative(self, args: EngineArgs) -> None:
         check_mode(args.speculative)
@@ -632,6 +642,12 @@ class Engine:
         return [("riptide_kv_blocks_total", "KV cache blocks", blocks.num_blocks),
                 ("riptide_kv_blocks_free", "KV cache blocks free", blocks.num_free),
                 ("riptide_kv_block_size", "Positions a KV block", blocks.block_size)]
+
+    def tier_stats(self) -> dict:
+        """The host KV tier's counters (kv_tier.HostTier.stats); empty without one."""
+        blocks = self.scheduler.blocks
+        tier = getattr(blocks, "tier", None)
+        return {**tier.stats, "entries": tier.size, "slots": tier.slots} if tier is not None else {}
 
     def counts(self) -> tuple[int, int]:
         return len(self.scheduler.running), len(self.scheduler.waiting)

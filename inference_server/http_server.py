@@ -215,7 +215,7 @@ class Server:
             "finish_reason": reason,
             "prompt_tokens": len(seq.prompt_ids),
             "completion_tokens": len(ids),
-            "cached_tokens": 0,
+            "cached_tokens": seq.cached_tokens,            # prompt positions taken from the prefix cache or its host tier
             "weight_version": str(seq.output_versions[n - 1] if n else self.engine.version),
             "output_token_versions": seq.output_versions[:n],
             "kv_cache_weight_version": seq.prefill_version,
@@ -455,7 +455,8 @@ def _info_routes(app: FastAPI, server: Server, host: str) -> None:
                 "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
                 "runner": type(engine.runner).__name__, "weight_version": str(engine.version),
                 "paused": engine.scheduler.paused, "num_running": running, "num_waiting": waiting,
-                "stats": asdict(engine.stats)}
+                "stats": asdict(engine.stats), "kv_tier": engine.tier_stats(),
+                "cached_prompt_tokens": engine.scheduler.cached_tokens}
 
     @app.get("/get_weight_version")
     async def get_weight_version():

@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "an accelerator's memory) and on a CPU where its C kernel builds (fp32), else contiguous")
     p.add_argument("--kv-block-size", type=int, default=0,
                    help="positions a KV block (paged); 0 (default): 128 on CPU, 16 on an accelerator")
+    p.add_argument("--kv-host-gb", type=float, default=0.0,
+                   help="a second KV tier in host memory (paged cache): prefix-cache blocks evicted from the pool are "
+                        "kept there, digest-checked, and loaded back for a request whose tokens begin with them (a "
+                        "multi-turn episode's next turn) instead of prefilled; 0 (default): none")
     p.add_argument("--speculative", default="off", choices=["off", "auto", "on"],
                    help="speculative decoding of the tail: drafts from a request's group siblings and its prompt's "
                         "earlier samples, verified by the policy (the sampled distribution unchanged); auto: on the "
@@ -157,7 +161,7 @@ def make_engine(a: argparse.Namespace) -> Engine:
                              max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                              weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                              prefix_share=a.prefix_share, prefix_cache=a.prefix_cache, kv_layout=a.kv_layout, kv_cache_gb=a.kv_cache_gb,
-                             kv_block_size=a.kv_block_size, speculative=a.speculative,
+                             kv_block_size=a.kv_block_size, kv_host_gb=a.kv_host_gb, speculative=a.speculative,
                              speculative_tokens=a.speculative_tokens,
                              load_weights=a.weights_from_peer is None and not a.no_weights))
 

@@ -28,6 +28,8 @@ class _EngineCollector:
             ("riptide_spec_accepted_tokens", "Drafted tokens the policy accepted", s.spec_accepted),
             ("riptide_spec_steps", "Engine steps that verified drafts", s.spec_steps),
             ("riptide_row_forwards", "Sequence-steps: tokens generated over this is tokens a forward", s.row_forwards),
+            *((f"riptide_kv_tier_{k}", f"Host KV tier: {k.replace('_', ' ')}", v)
+              for k, v in e.tier_stats().items() if k not in ("entries", "slots")),
             ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
              e.scheduler.cached_tokens),
         ):

@@ -92,7 +92,7 @@ class Scheduler:
             self.blocks.free(cached)
             return False
         seq.blocks = cached + self.blocks.alloc(n)
-        seq.cached = len(cached) * self.blocks.block_size
+        seq.cached = seq.cached_tokens = len(cached) * self.blocks.block_size
         self.cached_tokens += seq.cached
         return True
 

@@ -63,6 +63,7 @@ class Sequence:
     slot: int | None = None
     blocks: list[int] = field(default_factory=list)    # paged KV cache: the blocks its positions fill
     cached: int = 0                          # paged: its first positions, taken from the prefix cache at admission
+    cached_tokens: int = 0                   # paged: positions its last admission took from the prefix cache (and tier)
     kv_epoch: int | None = None              # paged: the weights epoch all its keys and values were computed under
     prefill_version: int | None = None       # weights that computed the KV cache of the prompt
     num_retractions: int = 0

@@ -1,0 +1,114 @@
+"""The host KV tier (inference_server/kv_tier.py): a multi-turn episode's next turn whose blocks the
+pool evicted loads them from host memory instead of prefilling them, with the tokens and logprobs of a
+fresh prefill; a corrupted tier block is detected and recomputed; blocks made under other weights are
+not used."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from inference_server.engine import Engine, EngineArgs
+from inference_server.sequence import SamplingParams, Sequence
+from inference_server.kv_cache import kv_bytes_per_token
+
+
+def engine(model: str, host_gb: float, **kw) -> Engine:
+    # a pool of 12 blocks of 16 positions: two 80-token episodes evict each other's blocks
+    from transformers import AutoConfig
+    per_block = kv_bytes_per_token(AutoConfig.from_pretrained(model), torch.float32) * 16
+    return Engine(EngineArgs(model, context_length=192, cpu_split=False, kv_layout="paged", kv_block_size=16,
+                             kv_cache_gb=12 * per_block / 2**30, max_running_requests=2, kv_host_gb=host_gb, **kw))
+
+
+def run(e: Engine, seqs: list[Sequence]) -> list[Sequence]:
+    e.add(seqs)
+    with torch.inference_mode():
+        while True:
+            e._run_commands()
+            if not e.scheduler.has_work:
+                return seqs
+            e.step()
+
+
+def episode_turns(e: Engine, prompts: list[list[int]], turns: int = 3, tool: int = 20) -> list[list[Sequence]]:
+    """Turns of several episodes, one turn of each at a time: each turn's prompt is the episode so
+    far (its last turn's prompt and answer) and a tool's output."""
+    rng = random.Random(1)
+    history, out = [list(p) for p in prompts], []
+    for t in range(turns):
+        seqs = [Sequence(f"e{i}-t{t}", list(h), SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+                for i, h in enumerate(history)]
+        run(e, seqs)
+        out.append(seqs)
+        for i, s in enumerate(seqs):
+            history[i] = s.prompt_ids + s.output_ids + [rng.randrange(20, 1900) for _ in range(tool)]
+    return out
+
+
+def test_a_turn_loads_its_evicted_prefix_from_the_host_tier_and_answers_as_a_fresh_prefill(tiny_model, hf_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
+    with_tier = engine(tiny_model, host_gb=0.05)
+    turns = episode_turns(with_tier, prompts)
+    stats = with_tier.tier_stats()
+    assert stats["saved_blocks"] > 0 and stats["loaded_blocks"] > 0 and stats["corrupt_blocks"] == 0, stats
+    assert any(s.cached_tokens for s in turns[-1])
+    without = engine(tiny_model, host_gb=0)
+    fresh = episode_turns(without, prompts)
+    assert with_tier.stats.prompt_tokens < without.stats.prompt_tokens
+    for a, b in zip(turns, fresh):
+        for s, f in zip(a, b):
+            assert s.output_ids == f.output_ids
+            assert torch.allclose(torch.tensor(s.output_logprobs), torch.tensor(f.output_logprobs), atol=1e-5)
+    # and against transformers' recompute of the last turn
+    s = turns[-1][0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([s.prompt_ids + s.output_ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    n = len(s.prompt_ids)
+    want = torch.tensor([lp[n + j - 1, t] for j, t in enumerate(s.output_ids)])
+    assert torch.allclose(torch.tensor(s.output_logprobs), want, atol=1e-4)
+
+
+def test_a_corrupted_tier_block_is_detected_and_recomputed(tiny_model):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
+    e = engine(tiny_model, host_gb=0.05)
+    real_save = e.scheduler.blocks.tier.save
+
+    def save_then_corrupt(*a):
+        real_save(*a)
+        tier = e.scheduler.blocks.tier
+        slot = tier.entries[a[1]][0]
+        tier.store[slot, 0, 0, 0, 0, 0] += 1.0              # a flipped value after the digest was taken
+    e.scheduler.blocks.tier.save = save_then_corrupt
+    turns = episode_turns(e, prompts)
+    stats = e.tier_stats()
+    assert stats["corrupt_blocks"] > 0 and stats["loaded_blocks"] == 0, stats
+    fresh = episode_turns(engine(tiny_model, host_gb=0), prompts)
+    assert [[s.output_ids for s in t] for t in turns] == [[s.output_ids for s in t] for t in fresh]
+
+
+def test_tier_blocks_made_under_other_weights_are_not_used(tiny_model, tiny_model_v2):
+    from inference_server import weights
+    from transformers import AutoModelForCausalLM
+    rng = random.Random(0)
+    prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
+    e = engine(tiny_model, host_gb=0.05)
+    episode_turns(e, prompts, turns=2)
+    assert e.tier_stats()["entries"] > 0
+    new = {n: p.detach().clone() for n, p in
+           weights.parameters(AutoModelForCausalLM.from_pretrained(tiny_model_v2, dtype=torch.float32)).items()}
+    e.swap_weights(new, 1)
+    e._run_commands()
+    loaded = e.tier_stats()["loaded_blocks"]
+    seqs = run(e, [Sequence("after", list(prompts[0]), SamplingParams(max_new_tokens=4, temperature=0.0))])
+    assert e.tier_stats()["loaded_blocks"] == loaded and seqs[0].cached_tokens == 0
+    assert e.tier_stats()["entries"] == 0
+
+
+def test_a_host_tier_without_the_paged_cache_is_refused_by_name(tiny_model):
+    with pytest.raises(ValueError, match="kv_host_gb"):
+        Engine(EngineArgs(tiny_model, context_length=128, kv_layout="contiguous", kv_host_gb=1.0))
