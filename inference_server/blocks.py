@@ -124,6 +124,8 @@ class BlockAllocator:
             if have is None and blocks[i] not in self._meta:
                 self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk, before)
                 have = blocks[i]
+                if self.tier is not None:
+                    self.tier.publish(have, h, before, chunk)
             elif have is None or self._meta[have][1:3] != (parent, chunk):
                 return                                     # a hash shared by other tokens: stop here
             parent, before = have, h

@@ -77,6 +77,9 @@ class EngineArgs:
     kv_cache_gb: float | None = None       # KV budget on any device (default: accelerator 85% of free, CPU 25% of available)
     kv_block_size: int = 0                 # positions a block (paged); 0: 128 on CPU, 16 on an accelerator
     kv_host_gb: float = 0.0                # paged: a second tier in host memory for evicted prefix-cache blocks (kv_tier.py)
+    kv_store_master: str = ""              # paged: the third tier, Mooncake Store: its master's host:port ...
+    kv_store_metadata: str = ""            # ... and its metadata server's URL (kv_tier.StoreMaster starts both)
+    kv_store_namespace: str = ""           # the store's keys begin with this (default: riptide-kv/<model folder>)
     speculative: str = "off"               # drafts from a request's siblings and its prompt's history, verified
                                            # by the policy (speculative.py): "off", "on" (every step where a draft
                                            # matches), "auto" (the steps where the measured cost says it pays)
@@ -195,15 +198,23 @@ class Engine:
         self.scheduler = Scheduler(self.max_running, args.max_prefill_tokens, self.context_length)
         if paged:
             self.scheduler.blocks = self._kv_runner.blocks
-        if args.kv_host_gb:
-            if args.kv_host_gb < 0:
-                raise ValueError(f"kv_host_gb={args.kv_host_gb}: expected GiB of host memory (> 0), or 0 for none")
+        if args.kv_host_gb < 0:
+            raise ValueError(f"kv_host_gb={args.kv_host_gb}: expected GiB of host memory (> 0), or 0 for none")
+        if bool(args.kv_store_master) != bool(args.kv_store_metadata):
+            raise ValueError("kv_store_master and kv_store_metadata go together (a Mooncake Store master's host:port "
+                             "and its metadata URL)")
+        if args.kv_host_gb or args.kv_store_master:
             if not paged or not args.prefix_cache:
-                raise ValueError("kv_host_gb: the host tier holds prefix-cache blocks, so it needs the paged KV cache "
-                                 "(kv_layout=paged or auto under a budget) and the prefix cache")
-            from inference_server.kv_tier import HostTier
-            blocks = self._kv_runner.blocks
-            blocks.tier = HostTier(int(args.kv_host_gb * 2**30), self._kv_runner.kv, blocks)
+                raise ValueError("kv_host_gb / kv_store_master: the KV tiers hold prefix-cache blocks, so they need "
+                                 "the paged KV cache (kv_layout=paged or auto under a budget) and the prefix cache")
+            from inference_server.kv_tier import HostTier, StoreTier, TierChain
+            blocks, kv = self._kv_runner.blocks, self._kv_runner.kv
+            host = HostTier(int(args.kv_host_gb * 2**30), kv, blocks) if args.kv_host_gb else None
+            store = None
+            if args.kv_store_master:
+                name = args.kv_store_namespace or f"riptide-kv/{os.path.basename(os.path.normpath(args.model_path))}"
+                store = StoreTier(args.kv_store_master, args.kv_store_metadata, kv, blocks, name)
+            blocks.tier = TierChain(host, store)
 
     def _init_speculative(self, args: EngineArgs) -> None:
         check_mode(args.speculative)
@@ -253,6 +264,9 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        tier = getattr(self.scheduler.blocks, "tier", None)
+        if tier is not None and tier.store is not None:
+            tier.store.close()
 
     def _loop(self) -> None:
         if self.cpu_threads is not None:
@@ -294,29 +308,10 @@ class Engine:
         self.stats.peak_running = max(self.stats.peak_running, len(seqs))
         drafts = self._propose(decode, prefill) if self.drafts is not None and decode else {}
         if drafts:
-            verify = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
-            plain = [s for s in decode if id(s) not in drafts]
-            states = {id(s): s.generator.get_state() for s, _ in verify if s.generator is not None}
-            tokens, logprobs = self.runner.verify_step(plain, verify, prefill, self.sampler)
+            emitted = self._verify(decode, prefill, drafts)
         else:
             tokens, logprobs = self.runner.step(decode, prefill, self.sampler)
-        if blocks is not None and blocks.epoch is not None:
-            for s in prefill:              # its prompt's full blocks, for whoever comes with the same tokens
-                blocks.cache(s.all_ids, s.blocks, s.num_tokens)
-        if drafts:
-            r = len(plain)
-            emitted, accepted = self._postprocess(plain, tokens[:r], logprobs[:r]), 0
-            for s, d in verify:
-                kept, ok = self._accept(s, d, tokens[r:r + 1 + len(d)], logprobs[r:r + 1 + len(d)], states.get(id(s)))
-                emitted, accepted, r = emitted + kept, accepted + ok, r + 1 + len(d)
-            emitted += self._postprocess(prefill, tokens[r:], logprobs[r:])
-            drafted = sum(len(d) for _, d in verify)
-            self.stats.spec_steps += 1
-            self.stats.spec_drafted += drafted
-            self.stats.spec_accepted += accepted
-            if self.spec_policy is not None:
-                self.spec_policy.drafted(len(decode), drafted, accepted)
-        else:
+            self._cache_prompts(prefill)
             emitted = self._postprocess(seqs, tokens, logprobs)
         if self.drafts is not None:
             for s in seqs:
@@ -329,7 +324,35 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.stats.busy_seconds += seconds
         if self.spec_policy is not None and not prefill:
-            self.spec_policy.record(len(tokens), seconds)
+            self.spec_policy.record(len(seqs) + sum(len(d) for d in drafts.values()), seconds)
+
+    def _cache_prompts(self, prefill: list[Sequence]) -> None:
+        """The newcomers' prompts' full blocks, for whoever comes with the same tokens."""
+        blocks = self.scheduler.blocks
+        if blocks is not None and blocks.epoch is not None:
+            for s in prefill:
+                blocks.cache(s.all_ids, s.blocks, s.num_tokens)
+
+    def _verify(self, decode: list[Sequence], prefill: list[Sequence], drafts: dict[int, list[int]]) -> int:
+        """A step whose drafted rows verify their drafts (speculative.py); returns the tokens it gave."""
+        verify = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
+        plain = [s for s in decode if id(s) not in drafts]
+        states = {id(s): s.generator.get_state() for s, _ in verify if s.generator is not None}
+        tokens, logprobs = self.runner.verify_step(plain, verify, prefill, self.sampler)
+        self._cache_prompts(prefill)
+        r = len(plain)
+        emitted, accepted = self._postprocess(plain, tokens[:r], logprobs[:r]), 0
+        for s, d in verify:
+            kept, ok = self._accept(s, d, tokens[r:r + 1 + len(d)], logprobs[r:r + 1 + len(d)], states.get(id(s)))
+            emitted, accepted, r = emitted + kept, accepted + ok, r + 1 + len(d)
+        emitted += self._postprocess(prefill, tokens[r:], logprobs[r:])
+        drafted = sum(len(d) for _, d in verify)
+        self.stats.spec_steps += 1
+        self.stats.spec_drafted += drafted
+        self.stats.spec_accepted += accepted
+        if self.spec_policy is not None:
+            self.spec_policy.drafted(len(decode), drafted, accepted)
+        return emitted
 
     def _propose(self, decode: list[Sequence], prefill: list[Sequence]) -> dict[int, list[int]]:
         """Drafts for this step's decode rows (by id), with the KV blocks their positions need; none
@@ -647,7 +670,7 @@ class Engine:
         """The host KV tier's counters (kv_tier.HostTier.stats); empty without one."""
         blocks = self.scheduler.blocks
         tier = getattr(blocks, "tier", None)
-        return {**tier.stats, "entries": tier.size, "slots": tier.slots} if tier is not None else {}
+        return {**tier.stats, "host_entries": tier.host.size if tier.host else 0} if tier is not None else {}
 
     def counts(self) -> tuple[int, int]:
         return len(self.scheduler.running), len(self.scheduler.waiting)

@@ -456,7 +456,7 @@ def _info_routes(app: FastAPI, server: Server, host: str) -> None:
                 "runner": type(engine.runner).__name__, "weight_version": str(engine.version),
                 "paused": engine.scheduler.paused, "num_running": running, "num_waiting": waiting,
                 "stats": asdict(engine.stats), "kv_tier": engine.tier_stats(),
-                "cached_prompt_tokens": engine.scheduler.cached_tokens}
+                "cached_prompt_tokens": engine.scheduler.cached_tokens, "preemptions": engine.scheduler.preemptions}
 
     @app.get("/get_weight_version")
     async def get_weight_version():

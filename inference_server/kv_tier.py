@@ -14,6 +14,7 @@ is full.
 """
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 
@@ -61,7 +62,11 @@ class HostTier:
         epoch = self.blocks.epoch
         if epoch is None:
             return
-        if h in self.entries:
+        have = self.entries.get(h)
+        if have is not None and have[1:4] == (before, chunk, epoch):
+            self.entries.move_to_end(h)            # loaded from here earlier: the same keys and values
+            return
+        if have is not None:
             self._drop(h)
         if not self._free:
             self._drop(next(iter(self.entries)))
@@ -71,11 +76,12 @@ class HostTier:
         self.entries[h] = (slot, before, chunk, epoch, self._digest(slot))
         self.stats["saved_blocks"] += 1
 
-    def has(self, h: int, before: int, chunk: tuple) -> bool:
+    def has(self, h: int, before: int, chunk: tuple, count: bool = True) -> bool:
         e = self.entries.get(h)
         if e is not None and e[1:4] == (before, chunk, self.blocks.epoch):
             return True
-        self.stats["misses"] += 1
+        if count:
+            self.stats["misses"] += 1
         return False
 
     def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
@@ -95,3 +101,209 @@ class HostTier:
         self.stats["load_bytes"] += self.block_bytes
         self.stats["load_seconds"] += time.perf_counter() - t
         return True
+
+
+class TierChain:
+    """The tiers behind the pool, nearest first: `has` and `load` ask each in turn; `save` (a block
+    evicted from the pool) goes to the host tier, `publish` (a block just cached in the pool) to the
+    store, from where other servers load it."""
+
+    def __init__(self, host: HostTier | None, store: "StoreTier | None"):
+        self.host, self.store = host, store
+        self.tiers = [t for t in (host, store) if t is not None]
+
+    @property
+    def size(self) -> int:
+        return sum(t.size for t in self.tiers)
+
+    @property
+    def stats(self) -> dict:
+        out = dict(self.host.stats) if self.host is not None else {}
+        if self.store is not None:
+            out.update({f"store_{k}": v for k, v in self.store.stats.items()})
+        return out
+
+    def set_epoch(self, epoch) -> None:
+        for t in self.tiers:
+            t.set_epoch(epoch)
+
+    def save(self, block: int, h: int, before: int, chunk: tuple) -> None:
+        if self.host is not None:
+            self.host.save(block, h, before, chunk)
+
+    def publish(self, block: int, h: int, before: int, chunk: tuple) -> None:
+        if self.store is not None:
+            self.store.publish(block, h, before, chunk)
+
+    def has(self, h: int, before: int, chunk: tuple) -> bool:
+        return any(t.has(h, before, chunk) for t in self.tiers)
+
+    def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
+        for t in self.tiers:
+            if t.has(h, before, chunk, count=False):
+                return t.load(h, before, chunk, block)
+        return False
+
+
+class StoreTier:
+    """The third level: Mooncake Store (the `mooncake` package's distributed store, one master for the
+    fleet), shared by every server of a model. A block the pool caches is published there once (its
+    keys and values copied on the engine thread, put by a thread of its own), under a key naming the
+    model, the weights' epoch and its chain hash; its value carries the chain hash before it, its tokens
+    and a digest, all checked at load. A turn routed to another server (failover, load balancing, a
+    partial rollout resumed elsewhere) loads its prefix from here instead of prefilling it."""
+
+    def __init__(self, master: str, metadata: str, kv, blocks, namespace: str, host: str = "127.0.0.1",
+                 segment_bytes: int = 1 << 30):
+        import queue
+        import threading
+        from mooncake.store import MooncakeDistributedStore
+        self.kv, self.blocks, self.namespace = kv, blocks, namespace
+        self.client = MooncakeDistributedStore()
+        rc = self.client.setup(host, metadata, segment_bytes, 64 << 20, "tcp", "", master)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake Store at master {master} (metadata {metadata}) refused this server: setup "
+                               f"returned {rc}")
+        self.published: set[str] = set()
+        self.stats = {"published_blocks": 0, "loaded_blocks": 0, "misses": 0, "corrupt_blocks": 0,
+                      "loaded_tokens": 0, "load_bytes": 0, "load_seconds": 0.0, "put_failures": 0}
+        self.size = 1                                  # unknown: always worth asking
+        self._puts: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._put_loop, name="kv-store-put", daemon=True)
+        self._thread.start()
+
+    def _key(self, h: int, epoch) -> str:
+        return f"{self.namespace}/{epoch}/{h & 0xFFFFFFFFFFFFFFFF:016x}"
+
+    def set_epoch(self, epoch) -> None:
+        self.published.clear()
+
+    def publish(self, block: int, h: int, before: int, chunk: tuple) -> None:
+        epoch = self.blocks.epoch
+        key = self._key(h, epoch)
+        if epoch is None or key in self.published:
+            return
+        self.published.add(key)
+        data = torch.stack([self.kv.k[:, block], self.kv.v[:, block]]).contiguous().view(torch.uint8).numpy().tobytes()
+        header = json.dumps({"before": before, "chunk": list(chunk), "digest": xxhash.xxh3_64_intdigest(data)}).encode()
+        self._puts.put((key, len(header).to_bytes(4, "little") + header + data))
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._puts.get()
+            if item is None:
+                return
+            key, value = item
+            if self.client.put(key, value) == 0:
+                self.stats["published_blocks"] += 1
+            else:
+                self.stats["put_failures"] += 1
+
+    def has(self, h: int, before: int, chunk: tuple, count: bool = True) -> bool:
+        ok = self.blocks.epoch is not None and self.client.is_exist(self._key(h, self.blocks.epoch)) == 1
+        if not ok and count:
+            self.stats["misses"] += 1
+        return ok
+
+    def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
+        t = time.perf_counter()
+        value = self.client.get(self._key(h, self.blocks.epoch))
+        if not value or len(value) < 4:
+            return False
+        n = int.from_bytes(value[:4], "little")
+        try:
+            header = json.loads(value[4:4 + n])
+        except ValueError:
+            header = {}
+        data = value[4 + n:]
+        shape = (2, *self.kv.k[:, block].shape)
+        if (header.get("before") != before or tuple(header.get("chunk", ())) != chunk
+                or header.get("digest") != xxhash.xxh3_64_intdigest(data)
+                or len(data) != 2 * self.kv.k[:, block].numel() * self.kv.k.element_size()):
+            self.stats["corrupt_blocks"] += 1
+            return False
+        kv = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.kv.k.dtype).view(shape)
+        self.kv.k[:, block] = kv[0]
+        self.kv.v[:, block] = kv[1]
+        self.stats["loaded_blocks"] += 1
+        self.stats["loaded_tokens"] += len(chunk)
+        self.stats["load_bytes"] += len(data)
+        self.stats["load_seconds"] += time.perf_counter() - t
+        return True
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every publish so far is in the store (tests, benches)."""
+        deadline = time.monotonic() + timeout
+        while not self._puts.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+
+    def close(self) -> None:
+        self._puts.put(None)
+        self._thread.join(timeout=10)
+        self.client.close()
+
+
+class StoreMaster:
+    """A Mooncake Store master (with its HTTP metadata server) on free loopback ports, for a fleet, a
+    test or a bench: `address` and `metadata` are what servers take (--kv-store-master,
+    --kv-store-metadata). Stopped by `stop()` or on leaving the `with` block, also on an error."""
+
+    def __init__(self, host: str = "127.0.0.1", log_path: str | None = None):
+        self.host, self.log_path = host, log_path
+        self.proc = None
+
+    def start(self, timeout: float = 30.0) -> "StoreMaster":
+        import os
+        import shutil
+        import socket
+        import subprocess
+        from pathlib import Path
+
+        def free() -> int:
+            with socket.socket() as s:
+                s.bind((self.host, 0))
+                return s.getsockname()[1]
+        import mooncake
+        binary = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
+        self.rpc, self.http, metrics = free(), free(), free()
+        log = open(self.log_path or os.devnull, "w")
+        self.proc = subprocess.Popen([binary, f"--rpc_port={self.rpc}", f"--rpc_address={self.host}",
+                                      "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
+                                      f"--http_metadata_server_port={self.http}", f"--metrics_port={metrics}",
+                                      "--enable_metric_reporting=false"], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mooncake_master exited with {self.proc.returncode} (log: {self.log_path})")
+            try:
+                with socket.create_connection((self.host, self.rpc), timeout=0.5), \
+                        socket.create_connection((self.host, self.http), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not listen on {self.host}:{self.rpc} within {timeout}s")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.rpc}"
+
+    @property
+    def metadata(self) -> str:
+        return f"http://{self.host}:{self.http}/metadata"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "StoreMaster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -29,7 +29,7 @@ class _EngineCollector:
             ("riptide_spec_steps", "Engine steps that verified drafts", s.spec_steps),
             ("riptide_row_forwards", "Sequence-steps: tokens generated over this is tokens a forward", s.row_forwards),
             *((f"riptide_kv_tier_{k}", f"Host KV tier: {k.replace('_', ' ')}", v)
-              for k, v in e.tier_stats().items() if k not in ("entries", "slots")),
+              for k, v in e.tier_stats().items() if k != "host_entries"),
             ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
              e.scheduler.cached_tokens),
         ):

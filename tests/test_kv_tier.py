@@ -76,14 +76,14 @@ def test_a_corrupted_tier_block_is_detected_and_recomputed(tiny_model):
     rng = random.Random(0)
     prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
     e = engine(tiny_model, host_gb=0.05)
-    real_save = e.scheduler.blocks.tier.save
+    tier = e.scheduler.blocks.tier.host
+    real_save = tier.save
 
     def save_then_corrupt(*a):
         real_save(*a)
-        tier = e.scheduler.blocks.tier
         slot = tier.entries[a[1]][0]
         tier.store[slot, 0, 0, 0, 0, 0] += 1.0              # a flipped value after the digest was taken
-    e.scheduler.blocks.tier.save = save_then_corrupt
+    tier.save = save_then_corrupt
     turns = episode_turns(e, prompts)
     stats = e.tier_stats()
     assert stats["corrupt_blocks"] > 0 and stats["loaded_blocks"] == 0, stats
@@ -98,7 +98,7 @@ def test_tier_blocks_made_under_other_weights_are_not_used(tiny_model, tiny_mode
     prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
     e = engine(tiny_model, host_gb=0.05)
     episode_turns(e, prompts, turns=2)
-    assert e.tier_stats()["entries"] > 0
+    assert e.tier_stats()["host_entries"] > 0
     new = {n: p.detach().clone() for n, p in
            weights.parameters(AutoModelForCausalLM.from_pretrained(tiny_model_v2, dtype=torch.float32)).items()}
     e.swap_weights(new, 1)
@@ -106,9 +106,73 @@ def test_tier_blocks_made_under_other_weights_are_not_used(tiny_model, tiny_mode
     loaded = e.tier_stats()["loaded_blocks"]
     seqs = run(e, [Sequence("after", list(prompts[0]), SamplingParams(max_new_tokens=4, temperature=0.0))])
     assert e.tier_stats()["loaded_blocks"] == loaded and seqs[0].cached_tokens == 0
-    assert e.tier_stats()["entries"] == 0
+    assert e.tier_stats()["host_entries"] == 0
 
 
 def test_a_host_tier_without_the_paged_cache_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="kv_host_gb"):
         Engine(EngineArgs(tiny_model, context_length=128, kv_layout="contiguous", kv_host_gb=1.0))
+
+
+@pytest.fixture(scope="module")
+def store_master(tmp_path_factory):
+    pytest.importorskip("mooncake.store")
+    from inference_server.kv_tier import StoreMaster
+    master = StoreMaster(log_path=str(tmp_path_factory.mktemp("store") / "master.log")).start()
+    yield master
+    master.stop()
+    assert master.proc.poll() is not None
+
+
+def store_engine(model: str, master, **kw) -> Engine:
+    return Engine(EngineArgs(model, context_length=256, cpu_split=False, kv_layout="paged", kv_block_size=16,
+                             kv_store_master=master.address, kv_store_metadata=master.metadata,
+                             kv_store_namespace=kw.pop("namespace", "test"), **kw))
+
+
+def test_a_turn_moved_to_another_server_loads_its_prefix_from_the_store(tiny_model, store_master):
+    rng = random.Random(3)
+    prompt = [rng.randrange(20, 1900) for _ in range(70)]
+    a, b, fresh = store_engine(tiny_model, store_master), store_engine(tiny_model, store_master), engine(tiny_model, 0)
+    try:
+        first = run(a, [Sequence("t0", list(prompt), SamplingParams(max_new_tokens=12, temperature=0.0))])[0]
+        a.scheduler.blocks.tier.store.flush()
+        assert a.tier_stats()["store_published_blocks"] >= 4
+        turn = first.prompt_ids + first.output_ids + [rng.randrange(20, 1900) for _ in range(20)]
+        moved = run(b, [Sequence("t1", list(turn), SamplingParams(max_new_tokens=12, temperature=0.0))])[0]
+        want = run(fresh, [Sequence("t1", list(turn), SamplingParams(max_new_tokens=12, temperature=0.0))])[0]
+        stats = b.tier_stats()
+        # the first turn's full blocks (all its positions but the last token's) came from the store; the
+        # moved turn computed only what is new in it
+        held = (first.num_tokens - 1) // 16
+        assert stats["store_loaded_blocks"] == held and moved.cached_tokens == 16 * held
+        assert b.stats.prompt_tokens == len(turn) - 16 * held
+        assert moved.output_ids == want.output_ids
+        assert torch.allclose(torch.tensor(moved.output_logprobs), torch.tensor(want.output_logprobs), atol=1e-5)
+    finally:
+        for e in (a, b):
+            e.shutdown()
+
+
+def test_a_corrupted_store_block_is_detected_and_recomputed(tiny_model, store_master):
+    rng = random.Random(4)
+    prompt = [rng.randrange(20, 1900) for _ in range(40)]
+    a, b = store_engine(tiny_model, store_master, namespace="bad"), store_engine(tiny_model, store_master, namespace="bad")
+    try:
+        first = run(a, [Sequence("t0", list(prompt), SamplingParams(max_new_tokens=4, temperature=0.0))])[0]
+        store = a.scheduler.blocks.tier.store
+        store.flush()
+        # another writer's garbage under the first block's key: same length, other bytes
+        key = next(k for k in store.published if k.startswith("bad/0/"))
+        value = bytearray(store.client.get(key))
+        value[-1] ^= 0xFF
+        assert store.client.upsert(key, bytes(value)) == 0
+        assert store.client.get(key) == bytes(value)
+        turn = first.prompt_ids + first.output_ids + [5, 6, 7]
+        got = run(b, [Sequence("t1", list(turn), SamplingParams(max_new_tokens=6, temperature=0.0))])[0]
+        want = run(engine(tiny_model, 0), [Sequence("t1", list(turn), SamplingParams(max_new_tokens=6, temperature=0.0))])[0]
+        assert b.tier_stats()["store_corrupt_blocks"] >= 1
+        assert got.output_ids == want.output_ids
+    finally:
+        for e in (a, b):
+            e.shutdown()
