@@ -18,8 +18,11 @@ servers.
 Figures: prefill tokens the server computed (its `prompt_tokens` counter over the episodes), mean time
 to first token of turns 2..N (from the request to the first streamed token), episodes per minute;
 `prefill_ratio_tier` and `ttft_ratio_tier` are the tier's over none's (goals: <= 0.3 and <= 0.5).
-`moved_turn_prefix_computed` (a turn moved to another server through Mooncake Store) is null: the
-store level is not built.
+Then the third run: two servers (the cores shared, `process.cpu_share_args`), each with the host tier and
+Mooncake Store (a master on loopback, `kv_tier.StoreMaster`), every later turn of an episode sent to the
+other server than its previous turn: `moved_turn_prefix_computed` is the share of those turns' prefixes
+(the episode's tokens at the previous turn's end) that the server they moved to computed rather than
+loaded (goal: <= 0.1).
 
 The result is one JSON line on stdout; logs go to stderr.
 """
@@ -66,9 +69,14 @@ def episodes(tok, n: int, seed: int, a_rows: int = 12) -> list[dict]:
     return out
 
 
-async def run_episode(session, url: str, ep: dict, index: int, turns: int, ttft: list, seed: int) -> int:
-    ids = list(ep["ids"])
+async def run_episode(session, urls: list[str], ep: dict, index: int, turns: int, ttft: list, seed: int,
+                      moved: list) -> int:
+    """One episode's turns; with several servers, turn t goes to server (index + t) % servers: every
+    later turn moves, and `moved` gets (its prefix: the episode's tokens at the previous turn's end,
+    the prefix positions the server took from a cache)."""
+    ids, prefix = list(ep["ids"]), 0
     for t in range(turns):
+        url = urls[(index + t) % len(urls)]
         params = {"max_new_tokens": 48, "temperature": 1.0, "seed": seed * 1000 + index * 16 + t}
         t0 = time.monotonic()
         first, out = None, []
@@ -82,6 +90,10 @@ async def run_episode(session, url: str, ep: dict, index: int, turns: int, ttft:
                 if first is None and msg.get("output_ids"):
                     first = time.monotonic() - t0
                 out = msg.get("output_ids", out)
+                cached = msg.get("meta_info", {}).get("cached_tokens", 0)
+        if t > 0 and len(urls) > 1:
+            moved.append((prefix, min(cached, prefix)))
+        prefix = len(ids) + len(out)
         if t > 0:
             ttft.append(first if first is not None else time.monotonic() - t0)
         tool, wait = ep["tools"][t]
@@ -91,14 +103,15 @@ async def run_episode(session, url: str, ep: dict, index: int, turns: int, ttft:
     return len(ids)
 
 
-async def run_all(url: str, eps: list[dict], turns: int, seed: int) -> tuple[list[float], float, list[int]]:
+async def run_all(urls: list[str], eps: list[dict], turns: int, seed: int):
     import aiohttp
     ttft: list[float] = []
+    moved: list[tuple[int, int]] = []
     t0 = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        lengths = await asyncio.gather(*(run_episode(session, url, ep, i, turns, ttft, seed)
+        lengths = await asyncio.gather(*(run_episode(session, urls, ep, i, turns, ttft, seed, moved)
                                          for i, ep in enumerate(eps)))
-    return ttft, time.monotonic() - t0, list(lengths)
+    return ttft, time.monotonic() - t0, list(lengths), moved
 
 
 def server_info(url: str) -> dict:
@@ -106,21 +119,28 @@ def server_info(url: str) -> dict:
     return requests.get(f"{url}/get_server_info", timeout=30).json()
 
 
-def run_server(model: str, extra: list[str], eps: list[dict], a, pool_gb: float, label: str) -> dict:
+def run_servers(model: str, extra: list[str], eps: list[dict], a, pool_gb: float, label: str, servers: int = 1) -> dict:
+    import contextlib
     from bench._common import riptide_server
+    from inference_server.process import cpu_share_args
     args = ["--dtype", a.dtype, "--max-running-requests", str(a.episodes), "--kv-cache-gb", f"{pool_gb:.4f}",
-            "--context-length", str(a.context_length), *extra]
-    with riptide_server(model, *args, startup_timeout=300) as (url, _):
-        before = server_info(url)
-        ttft, wall, lengths = asyncio.run(run_all(url, eps, a.turns, a.seed))
-        after = server_info(url)
-    prefill = after["stats"]["prompt_tokens"] - before["stats"]["prompt_tokens"]
-    row = {"prefill_tokens": prefill, "ttft_s_mean": round(statistics.mean(ttft), 4),
+            "--context-length", str(a.context_length), *extra, *(cpu_share_args(servers) if servers > 1 else [])]
+    with contextlib.ExitStack() as stack:
+        urls = [stack.enter_context(riptide_server(model, *args, startup_timeout=300))[0] for _ in range(servers)]
+        before = [server_info(u) for u in urls]
+        ttft, wall, lengths, moved = asyncio.run(run_all(urls, eps, a.turns, a.seed))
+        after = [server_info(u) for u in urls]
+
+    def delta(get) -> int:
+        return sum(get(x) - get(y) for x, y in zip(after, before))
+    row = {"prefill_tokens": delta(lambda i: i["stats"]["prompt_tokens"]), "ttft_s_mean": round(statistics.mean(ttft), 4),
            "ttft_s_p50": round(statistics.median(ttft), 4), "wall_s": round(wall, 2),
            "episodes_per_min": round(len(eps) / wall * 60, 2), "final_context_mean": round(statistics.mean(lengths)),
-           "preemptions": after.get("preemptions", 0) - before.get("preemptions", 0),
-           "cached_prompt_tokens": after.get("cached_prompt_tokens", 0) - before.get("cached_prompt_tokens", 0),
-           "kv_tier": after.get("kv_tier", {})}
+           "preemptions": delta(lambda i: i.get("preemptions", 0)),
+           "cached_prompt_tokens": delta(lambda i: i.get("cached_prompt_tokens", 0)),
+           "kv_tier": [x.get("kv_tier", {}) for x in after]}
+    if moved:
+        row["moved_turn_prefix_computed"] = round(1 - sum(c for _, c in moved) / sum(p for p, _ in moved), 4)
     log(f"{label}: {row}")
     return row
 
@@ -133,6 +153,7 @@ def main() -> None:
     p.add_argument("--host-gb", type=float, default=4.0)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-store", dest="store", action="store_false", help="skip the two-server Mooncake Store run")
     a = p.parse_args()
     model = a.model or str(REAL_MODEL)
     if not (Path(model) / "config.json").exists():
@@ -150,12 +171,20 @@ def main() -> None:
     pool_gb = max(final / 3, a.context_length) * per_token / 2**30
     log(f"{a.episodes} episodes, first prompts {min(len(e['ids']) for e in eps)}-{max(len(e['ids']) for e in eps)} "
         f"tokens, contexts up to {final // a.episodes} at the end; pool {pool_gb:.3f} GiB (a third of them)")
-    off = run_server(model, [], eps, a, pool_gb, "tier off")
-    host = run_server(model, ["--kv-host-gb", str(a.host_gb)], eps, a, pool_gb, "host tier")
+    off = run_servers(model, [], eps, a, pool_gb, "tier off")
+    host = run_servers(model, ["--kv-host-gb", str(a.host_gb)], eps, a, pool_gb, "host tier")
+    store = None
+    if a.store:
+        from inference_server.kv_tier import StoreMaster
+        with StoreMaster() as master:
+            store = run_servers(model, ["--kv-host-gb", str(a.host_gb), "--kv-store-master", master.address,
+                                        "--kv-store-metadata", master.metadata], eps, a, pool_gb,
+                                "two servers, turns alternating, host tier + Mooncake Store", servers=2)
     result = {"prefill_ratio_tier": round(host["prefill_tokens"] / off["prefill_tokens"], 3),
               "ttft_ratio_tier": round(host["ttft_s_mean"] / off["ttft_s_mean"], 3),
               "episodes_per_min_ratio": round(host["episodes_per_min"] / off["episodes_per_min"], 3),
-              "moved_turn_prefix_computed": None, "off": off, "host": host,
+              "moved_turn_prefix_computed": store["moved_turn_prefix_computed"] if store else None,
+              "off": off, "host": host, "store": store,
               "episodes": a.episodes, "turns": a.turns, "pool_gb": round(pool_gb, 4), "host_gb": a.host_gb,
               "dtype": a.dtype, "model": Path(model).name}
     sys.stderr.flush()

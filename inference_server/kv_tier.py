@@ -244,6 +244,16 @@ class StoreTier:
         self.client.close()
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM when the process that started it dies, killed or not."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 class StoreMaster:
     """A Mooncake Store master (with its HTTP metadata server) on free loopback ports, for a fleet, a
     test or a bench: `address` and `metadata` are what servers take (--kv-store-master,
@@ -268,7 +278,7 @@ class StoreMaster:
         binary = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
         self.rpc, self.http, metrics = free(), free(), free()
         log = open(self.log_path or os.devnull, "w")
-        self.proc = subprocess.Popen([binary, f"--rpc_port={self.rpc}", f"--rpc_address={self.host}",
+        self.proc = subprocess.Popen(preexec_fn=_die_with_parent, args=[binary, f"--rpc_port={self.rpc}", f"--rpc_address={self.host}",
                                       "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",
                                       f"--http_metadata_server_port={self.http}", f"--metrics_port={metrics}",
                                       "--enable_metric_reporting=false"], stdout=log, stderr=subprocess.STDOUT)

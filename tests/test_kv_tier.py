@@ -176,3 +176,24 @@ def test_a_corrupted_store_block_is_detected_and_recomputed(tiny_model, store_ma
     finally:
         for e in (a, b):
             e.shutdown()
+
+
+def test_the_fleets_store_master_stops_with_it_also_when_the_job_fails(tiny_model, tmp_path):
+    pytest.importorskip("mooncake.store")
+    from trainer_bridge.config import ServerConfig, WeightSyncConfig
+    from trainer_bridge.fleets.local import LocalFleet
+    fleet = LocalFleet(tiny_model, ServerConfig(kv_store="mooncake", kv_host_gb=0.1, context_length=256,
+                                                kv_layout="paged"), WeightSyncConfig(), log_dir=str(tmp_path))
+    fleet.server.validate()
+    with pytest.raises(RuntimeError, match="the job failed"):
+        try:
+            urls = fleet.launch(1, version=0)
+            import requests
+            info = requests.get(f"{urls[0]}/get_server_info", timeout=30).json()
+            assert info["kv_store_master"] == fleet.store_master.address and info["kv_host_gb"] == 0.1
+            assert fleet.store_master.proc.poll() is None
+            raise RuntimeError("the job failed")
+        finally:
+            fleet.close()
+    assert fleet.store_master.proc.poll() is not None
+    assert all(p.proc.poll() is not None for p in fleet.procs.values()) and not fleet.procs

@@ -48,7 +48,8 @@ def last_json(stdout: str) -> dict:
     ("trainer.off_policy=ppo", ["trainer.off_policy", "behaviour_clip | decoupled | icepop"]),
     ("rollout.oversample=0.5", ["rollout.oversample", ">= 1.0"]),
     ("trainer.world_size=0", ["trainer.world_size", ">= 1"]),
-    ("server.speculative=maybe", ["server.speculative='maybe'", "off, auto or on"]),
+    ("server.speculative=maybe", ["server.speculative='maybe'", "off | auto | on"]),
+    ("server.kv_store=redis", ["server.kv_store='redis'", "none | mooncake"]),
     ("task=nosuchtask", ["nosuchtask"]),
 ])
 def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, words):

@@ -51,6 +51,17 @@ class Engine(Choice):
     vllm = "vllm"
 
 
+class Speculative(Choice):
+    off = "off"
+    auto = "auto"
+    on = "on"
+
+
+class KvStore(Choice):
+    none = "none"
+    mooncake = "mooncake"
+
+
 class ClusterKind(Choice):
     local = "local"
     ray = "ray"
@@ -214,7 +225,13 @@ class ServerConfig:
                                 "accelerator, 85% of its free memory after the weights)")
     kv_layout: KvLayout = f(KvLayout.auto, "auto (paged under a KV budget: an accelerator or kv_cache_gb; else contiguous) | paged "
                                "(blocks by tokens held) | contiguous (a full-context slot a sequence)")
-    speculative: str = f("off", "speculative decoding of the tail in the embedded servers: off | auto (drafts from a "
+    kv_host_gb: float = f(0.0, "a second KV tier in each server's host memory (GiB; 0: none): prefix-cache blocks evicted "
+                               "from the pool wait there, and a multi-turn episode's next turn loads its context "
+                               "instead of prefilling it (inference_server/kv_tier.py)")
+    kv_store: KvStore = f(KvStore.none, "none | mooncake (the third KV tier: a Mooncake Store master started with the "
+                                        "fleet; every server publishes the blocks it caches and loads the ones it "
+                                        "lacks, so a turn moved to another server does not prefill its prefix)")
+    speculative: Speculative = f(Speculative.off, "speculative decoding of the tail in the embedded servers: off | auto (drafts from a "
                                 "group's siblings and its prompt's history where the measured step cost says they pay) "
                                 "| on (every step a draft matches); what is sampled is unchanged either way")
     speculative_tokens: int = f(5, "drafted tokens a sequence a step at most (speculative)")
@@ -233,7 +250,8 @@ class ServerConfig:
 
     def problems(self) -> list[str]:
         open_urls = [u for u in self.urls if not is_loopback(urlsplit(str(u)).hostname or "")]
-        wrong = [coerce(self, "server", "kv_layout", KvLayout), coerce(self, "server", "engine", Engine)]
+        wrong = [coerce(self, "server", "kv_layout", KvLayout), coerce(self, "server", "engine", Engine),
+                 coerce(self, "server", "speculative", Speculative), coerce(self, "server", "kv_store", KvStore)]
         return [w for w in wrong if w] + failed([
             (not open_urls or bool(self.token()),
              f"server.urls={open_urls} are not on loopback and no token is set: every endpoint but /health of a "
@@ -241,10 +259,11 @@ class ServerConfig:
             (self.max_running_requests >= 1, f"server.max_running_requests={self.max_running_requests}: must be >= 1"),
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.kv_cache_gb >= 0, f"server.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0: the device's default)"),
-            (self.speculative in ("off", "auto", "on"),
-             f"server.speculative={self.speculative!r}: use off, auto or on"),
+            (self.kv_host_gb >= 0, f"server.kv_host_gb={self.kv_host_gb}: must be >= 0 (0: no host tier)"),
+            (self.engine != "vllm" or (not self.kv_host_gb and self.kv_store == "none"),
+             "server.kv_host_gb and server.kv_store are the embedded engine's KV tiers: not with server.engine=vllm"),
             (self.speculative_tokens >= 1, f"server.speculative_tokens={self.speculative_tokens}: must be >= 1"),
-            (self.engine != "vllm" or self.speculative == "off",
+            (self.engine != "vllm" or self.speculative in ("off", None),
              f"server.speculative={self.speculative!r} is the embedded engine's: with server.engine=vllm give vLLM's "
              f"own speculative flags in server.vllm_args"),
             (self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -587,6 +606,9 @@ class JobConfig:
             (self.trainer.ppo_mini_batch_size <= self.rollout.batch_size * self.rollout.group_size,
              f"trainer.ppo_mini_batch_size={self.trainer.ppo_mini_batch_size} is more than a batch holds "
              f"(rollout.batch_size x group_size = {self.rollout.batch_size * self.rollout.group_size})"),
+            (self.server.kv_store != "mooncake" or self.cluster.kind == "local" and not self.server.urls,
+             "server.kv_store=mooncake starts a Mooncake Store master on loopback with the local fleet: not with "
+             "cluster.kind=ray or server.urls (their servers take --kv-store-master / --kv-store-metadata themselves)"),
             (self.trainer.overlong_buffer < self.rollout.max_new_tokens,
              f"trainer.overlong_buffer={self.trainer.overlong_buffer} must be less than rollout.max_new_tokens="
              f"{self.rollout.max_new_tokens}")])

@@ -57,7 +57,9 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
     if weight_sync.adapter_merge:
         args += ["--adapter-merge"]
     if server.speculative != "off":
-        args += ["--speculative", server.speculative, "--speculative-tokens", str(server.speculative_tokens)]
+        args += ["--speculative", str(server.speculative), "--speculative-tokens", str(server.speculative_tokens)]
+    if server.kv_host_gb:
+        args += ["--kv-host-gb", str(server.kv_host_gb)]
     return args + cpu_share_args(share)
 
 
@@ -118,6 +120,7 @@ class LocalFleet:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, ServerProcess] = {}
         self._started = itertools.count()
+        self.store_master = None               # server.kv_store=mooncake: the store's master, started with the first server
 
     def launch(self, n: int, version: int, peer: str | None = None, pushed: bool = False,
                at_least: int | None = None) -> list[str]:
@@ -127,6 +130,11 @@ class LocalFleet:
             return self._launch_vllm(n, version, peer, at_least)
         args = server_args(self.server, self.weight_sync, self.seed, version, peer, self.server.num_servers,
                            self.log_dir)
+        if self.server.kv_store == "mooncake":
+            if self.store_master is None:
+                from inference_server.kv_tier import StoreMaster
+                self.store_master = StoreMaster(log_path=str(self.log_dir / "mooncake-master.log")).start()
+            args += ["--kv-store-master", self.store_master.address, "--kv-store-metadata", self.store_master.metadata]
         procs = []
         for _ in range(n):
             i = next(self._started)
@@ -193,8 +201,12 @@ class LocalFleet:
         return self.procs[url].proc.pid
 
     def close(self) -> None:
-        _stop_all(list(self.procs.values()))
-        self.procs.clear()
+        try:
+            _stop_all(list(self.procs.values()))
+            self.procs.clear()
+        finally:
+            if self.store_master is not None:
+                self.store_master.stop()
 
 
 def _stop_all(procs: list[ServerProcess]) -> None:
