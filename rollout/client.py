@@ -49,6 +49,7 @@ class Generation:
     forwards: int = 0                # forward passes the tokens came from (speculative decoding: fewer than tokens)
     drafted: int = 0                 # speculative decoding: tokens drafted, and accepted
     accepted: int = 0
+    cached: int = 0                  # prompt positions the server took from its KV caches (prefix cache, tiers)
 
 
 class ServerClient:
@@ -114,7 +115,8 @@ class ServerClient:
                 versions = [fallback_version] * len(ids)
         return Generation(ids, lps, versions, Finish(meta["finish_reason"]["type"]), out.get("text", ""),
                           forwards=int(meta.get("spec_verify_ct") or len(ids)),
-                          drafted=int(meta.get("spec_draft_tokens") or 0), accepted=int(meta.get("spec_accepted_tokens") or 0))
+                          drafted=int(meta.get("spec_draft_tokens") or 0), accepted=int(meta.get("spec_accepted_tokens") or 0),
+                          cached=int(meta.get("cached_tokens") or 0))
 
     async def abort(self, rids: list[str]) -> None:
         """Abort requests by rid: one call on a Riptide server; one call per rid on a plain SGLang one."""

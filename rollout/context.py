@@ -46,6 +46,7 @@ class RolloutContext:
             metrics.token_forwards += gen.forwards or len(gen.output_ids)
             metrics.spec_drafted += gen.drafted
             metrics.spec_accepted += gen.accepted
+            metrics.prompt_tokens_cached += gen.cached
             self.server = client
             if gen.finish is not Finish.ABORT:
                 sample.status = SampleStatus.COMPLETED if gen.finish is Finish.STOP else SampleStatus.TRUNCATED

@@ -79,6 +79,7 @@ class Totals:
     token_forwards: int = 0        # the forward passes those tokens came from (speculative decoding: fewer)
     spec_drafted: int = 0          # speculative decoding: tokens the servers drafted, and the policy accepted
     spec_accepted: int = 0
+    prompt_tokens_cached: int = 0  # prompt positions the servers took from their KV caches, not prefilled
     tokens_aborted: int = 0        # tokens in requests cut short by an abort (kept: they resume)
     tokens_resumed: int = 0        # response tokens carried into a resumed request
     tokens_wasted: int = 0         # generated tokens thrown away (filtered, stale, failed groups)

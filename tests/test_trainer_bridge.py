@@ -273,8 +273,9 @@ def short_run(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"short_w{world}")
             # on 2 ranks, rollout.on_policy_warmup_kl's measure too (a collective forward on every
             # rank after the push); its limit ends the warm-up at the first measure
-            # on 1 rank, speculative decoding where it pays (the drafts' metrics reach wandb)
-            extra = ["rollout.on_policy_warmup_kl=10"] if world > 1 else ["server.speculative=auto"]
+            # on 1 rank, speculative decoding where it pays and a host KV tier (their metrics reach wandb)
+            extra = ["rollout.on_policy_warmup_kl=10"] if world > 1 else ["server.speculative=auto",
+                                                                          "server.kv_host_gb=0.05"]
             proc = train(tmp, *SHORT, f"trainer.world_size={world}", *extra)
             assert proc.returncode == 0, proc.stderr[-3000:]
             lines = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -305,7 +306,8 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     assert sum(r["sync/overlapped"] for r in lines) >= 25 and lines[49]["sync/overlapped"] == 0
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s", "rollout/spec_drafted", "rollout/spec_accepted",
-                "rollout/tokens_per_forward"):
+                "rollout/tokens_per_forward", "rollout/prompt_tokens_cached", "kv_tier/loaded_blocks",
+                "kv_tier/misses"):
         assert key in lines[-1]
     assert lines[-1]["rollout/tokens_per_forward"] >= 1.0
     assert servers_of(tmp_path) == []

@@ -286,7 +286,26 @@ class RolloutBackend:
     def fleet_metrics(self) -> dict:
         return {"fleet/servers": len(self.servers), "fleet/evictions": self.stats.evictions,
                 "fleet/replacements": self.stats.replacements, "fleet/last_replace_s": self.stats.last_replace_s,
-                "fleet/last_eviction_at": self.stats.last_eviction_at, "fleet/last_join_at": self.stats.last_join_at}
+                "fleet/last_eviction_at": self.stats.last_eviction_at, "fleet/last_join_at": self.stats.last_join_at,
+                **self._kv_tier_metrics()}
+
+    def _kv_tier_metrics(self) -> dict:
+        """The servers' KV tier counters, summed (kv_tier/loaded_blocks, kv_tier/store_loaded_tokens, ...),
+        where the job gave them tiers; a server that does not answer in 2 s is left out."""
+        s = self.cfg.server
+        if s.engine != "riptide" or not (s.kv_host_gb or s.kv_store == "mooncake"):
+            return {}
+        import requests
+        headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+        out: dict = {}
+        for url in list(self.servers):
+            try:
+                tier = requests.get(f"{url}/get_server_info", headers=headers, timeout=2).json().get("kv_tier", {})
+            except (requests.RequestException, ValueError):
+                continue
+            for k, v in tier.items():
+                out[f"kv_tier/{k}"] = out.get(f"kv_tier/{k}", 0) + v
+        return out
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -85,7 +85,7 @@ def step_metrics(batch: TrainBatch, train: dict, sync, seconds: dict) -> dict:
            "rollout/tokens_per_s": r.tokens_per_s, "rollout/samples_per_s": r.samples_per_s,
            "rollout/inflight": r.inflight, "rollout/tokens_aborted": r.tokens_aborted,
            "rollout/tokens_resumed": r.tokens_resumed, "rollout/tokens_wasted": r.tokens_wasted,
-           "rollout/spec_drafted": r.spec_drafted, "rollout/spec_accepted": r.spec_accepted,
+           "rollout/prompt_tokens_cached": r.prompt_tokens_cached, "rollout/spec_drafted": r.spec_drafted, "rollout/spec_accepted": r.spec_accepted,
            "rollout/tokens_per_forward": r.tokens_generated / r.token_forwards if r.token_forwards else 1.0,
            "rollout/retries": r.retries, "rollout/staleness_max": r.staleness_max,
            "rollout/policy_aborts": r.policy_aborts, "rollout/policy_held": r.policy_held,
