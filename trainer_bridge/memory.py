@@ -128,6 +128,7 @@ def plan_of(job, available: int | None = None) -> MemoryPlan | None:
     # weights, the shadow copy a push stages into, and the CPU fast path's stacked projections
     # (model_runner.FusedWeights: q/k/v and gate/up in fp32, every layer packed in bf16), counted in fp32
     server_fixed = PROCESS_BYTES + SERVER_EXTRA + 3 * shape.params * 4
+    server_fixed += int(s.kv_host_gb * GiB)       # the host KV tier (server.kv_host_gb): its own budget, host memory
     trainer = trainer_bytes(shape, job)
     rollout = PROCESS_BYTES if job.cluster.rollout_process else 0
     if s.kv_cache_gb:
