@@ -38,7 +38,7 @@ class BlockAllocator:
         self._meta: dict[int, tuple[int, int, tuple, int]] = {}  # block -> (chain hash, block before it or -1, tokens,
                                                                  #          chain hash before it or 0)
         self._idle: OrderedDict[int, None] = OrderedDict()     # cached blocks nobody holds, oldest first
-        self.tier = None          # kv_tier.TierLink: where evicted cached blocks go, and come back from
+        self.tier = None          # kv_tier.TierChain: where evicted cached blocks go, and come back from
 
     @property
     def num_free(self) -> int:

@@ -667,7 +667,8 @@ class Engine:
                 ("riptide_kv_block_size", "Positions a KV block", blocks.block_size)]
 
     def tier_stats(self) -> dict:
-        """The host KV tier's counters (kv_tier.HostTier.stats); empty without one."""
+        """The KV tiers' counters (kv_tier.TierChain.stats: the host tier's, the store's as store_*); empty
+        without tiers."""
         blocks = self.scheduler.blocks
         tier = getattr(blocks, "tier", None)
         return {**tier.stats, "host_entries": tier.host.size if tier.host else 0} if tier is not None else {}

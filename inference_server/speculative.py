@@ -2,7 +2,7 @@
 verified by the policy itself. Imports no torch.
 
 Drafts (`DraftIndex`): per prompt (its token ids), counts of the token that followed each n-gram
-(n = 1..max_ngram) in the prompt itself, in every sample of that prompt running on this server (the
+(n = min_ngram..max_ngram) in the prompt itself, in every sample of that prompt running on this server (the
 siblings of a GRPO group, the sequence itself) and in the samples that ended under the last
 `keep_versions` weight versions. A decode row's draft follows the longest n-gram its own last tokens
 end with, the most frequent next token each time, for up to k tokens while the counts' product
@@ -57,7 +57,7 @@ class DraftIndex:
         self.max_ngram, self.keep_versions, self.min_ngram = max_ngram, keep_versions, min_ngram
         self.max_tokens, self.min_score = max_tokens, min_score
         self._prompts: OrderedDict[tuple, _Prompt] = OrderedDict()
-        self._indexed: dict[int, int] = {}          # id(sequence) -> positions of it indexed so far
+        self._indexed: dict[int, tuple[tuple, int]] = {}   # id(sequence) -> (its prompt, positions indexed so far)
         self.tokens = 0                             # positions indexed, every prompt's
 
     def _entry(self, prompt: tuple, version: int) -> _Prompt:
@@ -82,7 +82,7 @@ class DraftIndex:
         lo = max(1, lo)
         for i in range(lo, len(ids)):
             nxt = ids[i]
-            for n in range(1, min(self.max_ngram, i) + 1):
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):     # the lengths `_next` looks up
                 key = tuple(ids[i - n:i])
                 c = table.get(key)
                 if c is None:
@@ -96,16 +96,15 @@ class DraftIndex:
     def update(self, seq, version: int) -> None:
         """Index what `seq` generated since the last call (its prompt, the first time this prompt is
         seen under `version`)."""
-        prompt = tuple(seq.prompt_ids)
+        prompt, done = self._indexed.get(id(seq)) or (tuple(seq.prompt_ids), None)
         entry = self._entry(prompt, version)
         ids = seq.all_ids
-        done = self._indexed.get(id(seq))
         if version not in entry.tables:
             entry.tables[version] = {}
             self._add(entry, version, ids, 1)            # the prompt (and what the sequence has so far)
         else:
             self._add(entry, version, ids, len(prompt) if done is None else done)   # new: a sibling, the prompt is in
-        self._indexed[id(seq)] = len(ids)
+        self._indexed[id(seq)] = (prompt, len(ids))
         self._trim()
 
     def forget(self, seq) -> None:
@@ -129,7 +128,8 @@ class DraftIndex:
 
     def propose(self, seq, k: int) -> list[int]:
         """Up to k drafted tokens to follow `seq`'s tokens (none when nothing matches)."""
-        entry = self._prompts.get(tuple(seq.prompt_ids))
+        known = self._indexed.get(id(seq))
+        entry = self._prompts.get(known[0] if known else tuple(seq.prompt_ids))
         if entry is None or k <= 0:
             return []
         ctx = seq.all_ids[-self.max_ngram:]
