@@ -16,6 +16,11 @@ A second tier (`tier`, kv_tier.py): a cached block evicted for room is first han
 values copied out, keyed by its chain hash, the chain hash before it and its tokens); a newcomer whose
 tokens go on past the cached blocks finds the next ones there, and they are loaded into fresh blocks
 (and cached again) instead of computed.
+
+Old KV, for requests that keep it (`continue`): with `keep_epochs` > 0 a new epoch does not forget the
+cached blocks of the last `keep_epochs` epochs; they stay (keyed by their epoch too), evicted first as
+the oldest idle ones (into the tier, under their epoch), and only `match(ids, oldest=...)` takes them,
+for a sequence that asked for KV made under older weights; `epoch_of` says which weights made each.
 """
 from __future__ import annotations
 
@@ -34,9 +39,11 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))       # popped from the end: low ids first
         self._refs = [0] * num_blocks
         self.epoch: int | None = None                 # the prefix cache is on while this is not None
-        self._cached: dict[int, int] = {}              # chain hash -> block
-        self._meta: dict[int, tuple[int, int, tuple, int]] = {}  # block -> (chain hash, block before it or -1, tokens,
-                                                                 #          chain hash before it or 0)
+        self.keep_epochs = 0                           # earlier epochs whose cached blocks stay, for old-KV requests
+        self._cached: dict[int, int] = {}              # chain hash -> block (this epoch's)
+        self._old: dict[tuple[int, int], int] = {}     # (epoch, chain hash) -> block, of the kept earlier epochs
+        # block -> (chain hash, block before it or -1, tokens, chain hash before it or 0, epoch)
+        self._meta: dict[int, tuple[int, int, tuple, int, int]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()     # cached blocks nobody holds, oldest first
         self.tier = None          # kv_tier.TierChain: where evicted cached blocks go, and come back from
 
@@ -92,18 +99,37 @@ class BlockAllocator:
 
     # ---- the prefix cache --------------------------------------------------------------------
     def set_epoch(self, epoch: int | None) -> None:
-        """The weights the keys and values are computed under now; a change forgets every cached block."""
+        """The weights the keys and values are computed under now; a change forgets every cached block
+        but those of the last `keep_epochs` epochs before it (kept for old-KV requests only)."""
         if epoch == self.epoch:
             return
-        self.epoch = epoch
+        old, self.epoch = self.epoch, epoch
         if self.tier is not None:
             self.tier.set_epoch(epoch)
-        for b in self._meta:
-            if b in self._idle:
-                self._free.append(b)
+        if self.keep_epochs and old is not None:
+            self._old.update(((old, h), b) for h, b in self._cached.items())
         self._cached.clear()
-        self._meta.clear()
-        self._idle.clear()
+        for key, b in list(self._old.items()):
+            if not self._kept(key[0]):
+                del self._old[key]
+                self._forget(b)
+        for b in [b for b, m in self._meta.items() if m[4] != epoch and (m[4], m[0]) not in self._old]:
+            self._forget(b)
+
+    def _kept(self, epoch: int) -> bool:
+        """Whether blocks made under `epoch` stay cached (for old-KV requests) under this epoch."""
+        return self.epoch is not None and self.epoch - self.keep_epochs <= epoch < self.epoch
+
+    def _forget(self, b: int) -> None:
+        del self._meta[b]
+        if b in self._idle:
+            del self._idle[b]
+            self._free.append(b)
+
+    def epoch_of(self, block: int) -> int | None:
+        """The epoch (weights version) a cached block's keys and values were made under; None when not cached."""
+        m = self._meta.get(block)
+        return None if m is None else m[4]
 
     def _chain(self, ids: list[int], n: int):
         """(i, chain hash, tokens) of the first n full blocks of `ids`."""
@@ -122,7 +148,7 @@ class BlockAllocator:
         for i, h, chunk in self._chain(ids, min(valid // self.block_size, len(blocks))):
             have = self._cached.get(h)
             if have is None and blocks[i] not in self._meta:
-                self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk, before)
+                self._cached[h], self._meta[blocks[i]] = blocks[i], (h, parent, chunk, before, self.epoch)
                 have = blocks[i]
                 if self.tier is not None:
                     self.tier.publish(have, h, before, chunk)
@@ -130,40 +156,53 @@ class BlockAllocator:
                 return                                     # a hash shared by other tokens: stop here
             parent, before = have, h
 
-    def match(self, ids: list[int]) -> list[int]:
+    def match(self, ids: list[int], oldest: int | None = None) -> list[int]:
         """The cached blocks `ids` begins with (all but its last token at most: that one's logits
         are computed), taken by reference; past the last one the pool holds, those the tier holds,
-        loaded into fresh blocks."""
-        if self.epoch is None or not (self._cached or self.tier is not None and self.tier.size):
+        loaded into fresh blocks. With `oldest`, a block this epoch has not got may be one made under
+        an earlier kept epoch, down to `oldest` (newest first): keys and values of older weights."""
+        if self.epoch is None or not (self._cached or self._old or self.tier is not None and self.tier.size):
             return []
+        epochs = [self.epoch] + ([e for e in range(self.epoch - 1, oldest - 1, -1) if self._kept(e)]
+                                 if oldest is not None else [])
         out, parent, before = [], -1, 0
         for _, h, chunk in self._chain(ids, (len(ids) - 1) // self.block_size):
-            b = self._cached.get(h)
+            b = next((b for e in epochs if (b := self._take(h, before, chunk, parent, e)) is not None), None)
             if b is None:
-                b = self._load(h, before, chunk, parent)
-                if b is None:
-                    break
-            elif self._meta[b][1:3] != (parent, chunk):
                 break
-            elif self._refs[b] == 0:
-                del self._idle[b]
-                self._refs[b] = 1
-            else:
-                self._refs[b] += 1
             out.append(b)
             parent, before = b, h
         return out
 
-    def _load(self, h: int, before: int, chunk: tuple, parent: int) -> int | None:
-        """The block of chain hash `h` from the tier, into a fresh block cached as the pool's would be
-        (held once, by the caller), or None when the tier has not got it (or it failed its digest)."""
-        if self.tier is None or not self.tier.has(h, before, chunk) or self.num_free < 1:
+    def _take(self, h: int, before: int, chunk: tuple, parent: int, epoch: int) -> int | None:
+        """Block `h` of `epoch` by reference from the pool, else loaded from the tier; None if neither has it."""
+        b = self._cached.get(h) if epoch == self.epoch else self._old.get((epoch, h))
+        if b is None:
+            return self._load(h, before, chunk, parent, epoch)
+        if self._meta[b][2:4] != (chunk, before):
+            return None                                    # a hash shared by other tokens
+        if self._refs[b] == 0:
+            del self._idle[b]
+            self._refs[b] = 1
+        else:
+            self._refs[b] += 1
+        return b
+
+    def _load(self, h: int, before: int, chunk: tuple, parent: int, epoch: int) -> int | None:
+        """The block of chain hash `h` made under `epoch` from the tier, into a fresh block cached as the
+        pool's would be (held once, by the caller), or None when the tier has not got it (or it failed
+        its digest)."""
+        if self.tier is None or not self.tier.has(h, before, chunk, epoch) or self.num_free < 1:
             return None
         b = self.alloc(1)[0]
-        if not self.tier.load(h, before, chunk, b):
+        if not self.tier.load(h, before, chunk, b, epoch):
             self.free([b])
             return None
-        self._cached[h], self._meta[b] = b, (h, parent, chunk, before)
+        if epoch == self.epoch:
+            self._cached[h] = b
+        else:
+            self._old[(epoch, h)] = b
+        self._meta[b] = (h, parent, chunk, before, epoch)
         return b
 
     def release(self, seq) -> None:
@@ -176,8 +215,11 @@ class BlockAllocator:
 
     def _evict(self) -> int:
         b, _ = self._idle.popitem(last=False)
-        h, _, chunk, before = self._meta.pop(b)
-        del self._cached[h]
+        h, _, chunk, before, epoch = self._meta.pop(b)
+        if epoch == self.epoch:
+            del self._cached[h]
+        else:
+            del self._old[(epoch, h)]
         if self.tier is not None:
-            self.tier.save(b, h, before, chunk)        # its keys and values, before the block is reused
+            self.tier.save(b, h, before, chunk, epoch)   # its keys and values, before the block is reused
         return b

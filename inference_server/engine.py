@@ -80,6 +80,8 @@ class EngineArgs:
     kv_store_master: str = ""              # paged: the third tier, Mooncake Store: its master's host:port ...
     kv_store_metadata: str = ""            # ... and its metadata server's URL (kv_tier.StoreMaster starts both)
     kv_store_namespace: str = ""           # the store's keys begin with this (default: riptide-kv/<model folder>)
+    kv_keep_versions: int = 0              # paged: cached blocks (pool and tiers) of this many earlier weight versions
+                                           # stay, for requests that keep old KV (kv_policy "continue"); 0: none
     speculative: str = "off"               # drafts from a request's siblings and its prompt's history, verified
                                            # by the policy (speculative.py): "off", "on" (every step where a draft
                                            # matches), "auto" (the steps where the measured cost says it pays)
@@ -203,6 +205,10 @@ class Engine:
         if bool(args.kv_store_master) != bool(args.kv_store_metadata):
             raise ValueError("kv_store_master and kv_store_metadata go together (a Mooncake Store master's host:port "
                              "and its metadata URL)")
+        if args.kv_keep_versions < 0:
+            raise ValueError(f"kv_keep_versions={args.kv_keep_versions}: expected earlier weight versions to keep (>= 0)")
+        if paged:
+            self._kv_runner.blocks.keep_epochs = args.kv_keep_versions
         if args.kv_host_gb or args.kv_store_master:
             if not paged or not args.prefix_cache:
                 raise ValueError("kv_host_gb / kv_store_master: the KV tiers hold prefix-cache blocks, so they need "
@@ -290,14 +296,12 @@ class Engine:
             self._set_kv_epoch(blocks)
         decode, prefill = self.scheduler.schedule()
         for s in prefill:
-            s.kv_epoch = None if blocks is None else blocks.epoch
+            self._admitted(s, blocks)
         if prefill and decode and self.args.prefix_share and isinstance(self._kv_runner, DecoderRunner):
             decode, prefill = self._share_prompts(decode, prefill)
         seqs = decode + prefill
         if not seqs:
             return
-        for s in prefill:
-            s.prefill_version = self.version
         self._slots_dirty = self._slots_dirty or bool(prefill)
         total = sum(s.num_tokens - s.cached for s in prefill)         # cached positions are not computed
         if prefill and getattr(self._kv_runner, "share_prompts", False):    # one step's duplicates are computed once
@@ -331,7 +335,26 @@ class Engine:
         blocks = self.scheduler.blocks
         if blocks is not None and blocks.epoch is not None:
             for s in prefill:
-                blocks.cache(s.all_ids, s.blocks, s.num_tokens)
+                if s.kv_epoch == blocks.epoch:               # not one holding keys and values of older weights
+                    blocks.cache(s.all_ids, s.blocks, s.num_tokens)
+
+    def _admitted(self, s: Sequence, blocks) -> None:
+        """A newcomer's keys and values: its cached blocks (of older weights too, for a request that keeps
+        old KV), the rest computed by this step's weights; `kv_versions` says which weights made which
+        positions, and a sequence holding old KV is kept out of this epoch's prefix cache."""
+        bs = blocks.block_size if blocks is not None else 0
+        epochs = [blocks.epoch_of(b) for b in s.blocks[:s.cached // bs]] if blocks is not None else []
+        spans = [(i * bs, (i + 1) * bs, e) for i, e in enumerate(epochs)] + [(len(epochs) * bs, s.num_tokens, self.version)]
+        runs: list[list[int]] = []                           # [first position, end, weights version]
+        for start, end, v in spans:
+            if runs and runs[-1][2] == v:
+                runs[-1][1] = end
+            elif end > start:
+                runs.append([start, end, v])
+        s.kv_versions = runs
+        s.prefill_version = min(r[2] for r in s.kv_versions) if s.kv_versions else self.version
+        mixed = any(e != self.version for e in epochs)
+        s.kv_epoch = None if blocks is None or mixed else blocks.epoch
 
     def _verify(self, decode: list[Sequence], prefill: list[Sequence], drafts: dict[int, list[int]]) -> int:
         """A step whose drafted rows verify their drafts (speculative.py); returns the tokens it gave."""

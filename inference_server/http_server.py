@@ -196,7 +196,8 @@ class Server:
                 p = params if sp.n == 1 or params.seed is None else \
                     SamplingParams(**{**asdict(params), "seed": params.seed + j})
                 seqs.append(Sequence(rid if sp.n == 1 else f"{rid}-{j}", list(ids), p,
-                                     group_rid=rid if sp.n > 1 else None, stream=req.stream))
+                                     group_rid=rid if sp.n > 1 else None, stream=req.stream,
+                                     keep_old_kv=req.kv_policy == "continue"))
                 flags.append(lp)
         return seqs, flags, batch or len(seqs) > 1
 
@@ -219,6 +220,10 @@ class Server:
             "weight_version": str(seq.output_versions[n - 1] if n else self.engine.version),
             "output_token_versions": seq.output_versions[:n],
             "kv_cache_weight_version": seq.prefill_version,
+            "kv_versions": seq.kv_versions,                 # [start, end, version]: the weights that made each
+                                                            # admitted position's keys and values
+            "kv_age": (seq.output_versions[n - 1] if n else self.engine.version) - seq.prefill_version
+            if seq.prefill_version is not None else 0,      # versions between the oldest KV and the last token
             "spec_verify_ct": seq.forwards,                 # forwards its tokens came from (speculative: fewer)
             "spec_draft_tokens": seq.spec_drafted,
             "spec_accepted_tokens": seq.spec_accepted,

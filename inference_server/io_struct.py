@@ -97,6 +97,10 @@ class GenerateReqInput(BaseModel):
     return_logprob: Union[StrictBool, list[StrictBool]] = False
     stream: StrictBool = False
     rid: Union[StrictStr, list[StrictStr], None] = None
+    # "continue": the prompt may take cached keys and values made under older weights (the server's
+    # --kv-keep-versions), as a request running across an update keeps its own; meta_info's
+    # kv_versions says which weights made which positions. "fresh" (default): only the serving weights'.
+    kv_policy: Literal["fresh", "continue"] = "fresh"
 
 
 class AbortReqInput(BaseModel):

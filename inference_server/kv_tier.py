@@ -9,8 +9,9 @@ the weights that computed them (the pool's epoch); a newcomer whose tokens go on
 pool holds finds the next ones here, and they are copied back into fresh pool blocks instead of
 computed (blocks.BlockAllocator.match). A block's digest (xxh3 of its bytes) is taken when it is
 written and checked when it is read: one that fails is dropped and its positions computed, never used.
-New weights drop every entry made under others. Least recently used entries go first when the budget
-is full.
+New weights drop every entry made under others, but those of the pool's kept epochs
+(`BlockAllocator.keep_epochs`, for requests that keep old KV: they are asked for by epoch). Least
+recently used entries go first when the budget is full.
 """
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ class HostTier:
                              f"{self.block_bytes / 2**20:.1f} MiB")
         self.store = torch.empty((self.slots, 2, layers, heads, size, dim), dtype=kv.k.dtype)
         self._free = list(range(self.slots - 1, -1, -1))
-        # chain hash -> (slot, chain hash before it, tokens, epoch, digest)
-        self.entries: OrderedDict[int, tuple[int, int, tuple, int, int]] = OrderedDict()
+        # (chain hash, epoch) -> (slot, chain hash before it, tokens, digest)
+        self.entries: OrderedDict[tuple[int, int], tuple[int, int, tuple, int]] = OrderedDict()
         self.stats = {"saved_blocks": 0, "loaded_blocks": 0, "misses": 0, "corrupt_blocks": 0,
                       "loaded_tokens": 0, "load_bytes": 0, "load_seconds": 0.0, "dropped_blocks": 0}
 
@@ -49,53 +50,55 @@ class HostTier:
         return xxhash.xxh3_64_intdigest(self.store[slot].view(torch.uint8).numpy())
 
     def set_epoch(self, epoch: int | None) -> None:
-        """New weights: entries made under others are of no use to a sequence of these."""
-        for h in [h for h, e in self.entries.items() if e[3] != epoch]:
-            self._drop(h)
+        """New weights: entries made under others are of no use to a sequence of these (but to one that
+        keeps old KV, under the pool's kept epochs)."""
+        for key in [key for key in self.entries if key[1] != epoch and not self.blocks._kept(key[1])]:
+            self._drop(key)
 
-    def _drop(self, h: int) -> None:
-        self._free.append(self.entries.pop(h)[0])
+    def _drop(self, key: tuple[int, int]) -> None:
+        self._free.append(self.entries.pop(key)[0])
         self.stats["dropped_blocks"] += 1
 
-    def save(self, block: int, h: int, before: int, chunk: tuple) -> None:
-        """Pool block `block` (cached as chain hash `h`) is about to be reused: keep a copy."""
-        epoch = self.blocks.epoch
+    def save(self, block: int, h: int, before: int, chunk: tuple, epoch: int | None) -> None:
+        """Pool block `block` (cached as chain hash `h`, made under `epoch`) is about to be reused: keep a copy."""
         if epoch is None:
             return
-        have = self.entries.get(h)
-        if have is not None and have[1:4] == (before, chunk, epoch):
-            self.entries.move_to_end(h)            # loaded from here earlier: the same keys and values
+        key = (h, epoch)
+        have = self.entries.get(key)
+        if have is not None and have[1:3] == (before, chunk):
+            self.entries.move_to_end(key)          # loaded from here earlier: the same keys and values
             return
         if have is not None:
-            self._drop(h)
+            self._drop(key)
         if not self._free:
             self._drop(next(iter(self.entries)))
         slot = self._free.pop()
         self.store[slot, 0] = self.kv.k[:, block]
         self.store[slot, 1] = self.kv.v[:, block]
-        self.entries[h] = (slot, before, chunk, epoch, self._digest(slot))
+        self.entries[key] = (slot, before, chunk, self._digest(slot))
         self.stats["saved_blocks"] += 1
 
-    def has(self, h: int, before: int, chunk: tuple, count: bool = True) -> bool:
-        e = self.entries.get(h)
-        if e is not None and e[1:4] == (before, chunk, self.blocks.epoch):
+    def has(self, h: int, before: int, chunk: tuple, epoch: int, count: bool = True) -> bool:
+        e = self.entries.get((h, epoch))
+        if e is not None and e[1:3] == (before, chunk):
             return True
         if count:
             self.stats["misses"] += 1
         return False
 
-    def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
-        """Copy entry `h` into pool block `block`; False (and the entry dropped) when its bytes no longer
-        match the digest taken when it was written."""
+    def load(self, h: int, before: int, chunk: tuple, block: int, epoch: int) -> bool:
+        """Copy entry (`h`, `epoch`) into pool block `block`; False (and the entry dropped) when its bytes
+        no longer match the digest taken when it was written."""
         t = time.perf_counter()
-        slot, *_, digest = self.entries[h]
+        key = (h, epoch)
+        slot, *_, digest = self.entries[key]
         if self._digest(slot) != digest:
             self.stats["corrupt_blocks"] += 1
-            self._drop(h)
+            self._drop(key)
             return False
         self.kv.k[:, block] = self.store[slot, 0]
         self.kv.v[:, block] = self.store[slot, 1]
-        self.entries.move_to_end(h)
+        self.entries.move_to_end(key)
         self.stats["loaded_blocks"] += 1
         self.stats["loaded_tokens"] += len(chunk)
         self.stats["load_bytes"] += self.block_bytes
@@ -127,21 +130,21 @@ class TierChain:
         for t in self.tiers:
             t.set_epoch(epoch)
 
-    def save(self, block: int, h: int, before: int, chunk: tuple) -> None:
+    def save(self, block: int, h: int, before: int, chunk: tuple, epoch: int | None) -> None:
         if self.host is not None:
-            self.host.save(block, h, before, chunk)
+            self.host.save(block, h, before, chunk, epoch)
 
     def publish(self, block: int, h: int, before: int, chunk: tuple) -> None:
         if self.store is not None:
             self.store.publish(block, h, before, chunk)
 
-    def has(self, h: int, before: int, chunk: tuple) -> bool:
-        return any(t.has(h, before, chunk) for t in self.tiers)
+    def has(self, h: int, before: int, chunk: tuple, epoch: int) -> bool:
+        return any(t.has(h, before, chunk, epoch) for t in self.tiers)
 
-    def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
+    def load(self, h: int, before: int, chunk: tuple, block: int, epoch: int) -> bool:
         for t in self.tiers:
-            if t.has(h, before, chunk, count=False):
-                return t.load(h, before, chunk, block)
+            if t.has(h, before, chunk, epoch, count=False):
+                return t.load(h, before, chunk, block, epoch)
         return False
 
 
@@ -199,15 +202,15 @@ class StoreTier:
             else:
                 self.stats["put_failures"] += 1
 
-    def has(self, h: int, before: int, chunk: tuple, count: bool = True) -> bool:
-        ok = self.blocks.epoch is not None and self.client.is_exist(self._key(h, self.blocks.epoch)) == 1
+    def has(self, h: int, before: int, chunk: tuple, epoch: int, count: bool = True) -> bool:
+        ok = epoch is not None and self.client.is_exist(self._key(h, epoch)) == 1
         if not ok and count:
             self.stats["misses"] += 1
         return ok
 
-    def load(self, h: int, before: int, chunk: tuple, block: int) -> bool:
+    def load(self, h: int, before: int, chunk: tuple, block: int, epoch: int) -> bool:
         t = time.perf_counter()
-        value = self.client.get(self._key(h, self.blocks.epoch))
+        value = self.client.get(self._key(h, epoch))
         if not value or len(value) < 4:
             return False
         n = int.from_bytes(value[:4], "little")

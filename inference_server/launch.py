@@ -52,6 +52,23 @@ def weight_sync_args(p: argparse.ArgumentParser) -> None:
                         "commits-PORT.jsonl in it): the record an audit reads")
 
 
+def kv_tier_args(p: argparse.ArgumentParser) -> None:
+    """The paged cache's tiers behind the pool, and old weights' blocks kept (kv_tier.py, blocks.py)."""
+    p.add_argument("--kv-keep-versions", type=int, default=0,
+                   help="paged cache: cached blocks (pool, host tier, store) of this many earlier weight versions stay, "
+                        "for requests sent with kv_policy=continue, which take them and report their age (meta_info "
+                        "kv_versions, kv_age); other requests never do; 0 (default): none")
+    p.add_argument("--kv-host-gb", type=float, default=0.0,
+                   help="a second KV tier in host memory (paged cache): prefix-cache blocks evicted from the pool are "
+                        "kept there, digest-checked, and loaded back for a request whose tokens begin with them (a "
+                        "multi-turn episode's next turn) instead of prefilled; 0 (default): none")
+    p.add_argument("--kv-store-master", default="",
+                   help="the third KV tier, Mooncake Store shared by a fleet: its master's host:port (with "
+                        "--kv-store-metadata); blocks this server caches are published there and any server of the "
+                        "model loads them (a turn moved to another server does not prefill its prefix)")
+    p.add_argument("--kv-store-metadata", default="", help="the Mooncake Store's metadata server URL")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="riptide-serve", description="Riptide's embedded inference server")
     p.add_argument("--model-path", required=True, help="a local Hugging Face checkpoint directory")
@@ -71,15 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "an accelerator's memory) and on a CPU where its C kernel builds (fp32), else contiguous")
     p.add_argument("--kv-block-size", type=int, default=0,
                    help="positions a KV block (paged); 0 (default): 128 on CPU, 16 on an accelerator")
-    p.add_argument("--kv-host-gb", type=float, default=0.0,
-                   help="a second KV tier in host memory (paged cache): prefix-cache blocks evicted from the pool are "
-                        "kept there, digest-checked, and loaded back for a request whose tokens begin with them (a "
-                        "multi-turn episode's next turn) instead of prefilled; 0 (default): none")
-    p.add_argument("--kv-store-master", default="",
-                   help="the third KV tier, Mooncake Store shared by a fleet: its master's host:port (with "
-                        "--kv-store-metadata); blocks this server caches are published there and any server of the "
-                        "model loads them (a turn moved to another server does not prefill its prefix)")
-    p.add_argument("--kv-store-metadata", default="", help="the Mooncake Store's metadata server URL")
+    kv_tier_args(p)
     p.add_argument("--speculative", default="off", choices=["off", "auto", "on"],
                    help="speculative decoding of the tail: drafts from a request's group siblings and its prompt's "
                         "earlier samples, verified by the policy (the sampled distribution unchanged); auto: on the "
@@ -166,7 +175,7 @@ def make_engine(a: argparse.Namespace) -> Engine:
                              max_prefill_tokens=a.max_prefill_tokens, seed=a.seed,
                              weight_version=a.weight_version, cpu_threads=a.cpu_threads, cpu_split=a.cpu_split,
                              prefix_share=a.prefix_share, prefix_cache=a.prefix_cache, kv_layout=a.kv_layout, kv_cache_gb=a.kv_cache_gb,
-                             kv_block_size=a.kv_block_size, kv_host_gb=a.kv_host_gb, kv_store_master=a.kv_store_master,
+                             kv_block_size=a.kv_block_size, kv_host_gb=a.kv_host_gb, kv_keep_versions=a.kv_keep_versions, kv_store_master=a.kv_store_master,
                              kv_store_metadata=a.kv_store_metadata, speculative=a.speculative,
                              speculative_tokens=a.speculative_tokens,
                              load_weights=a.weights_from_peer is None and not a.no_weights))

@@ -86,7 +86,9 @@ class Scheduler:
     def _take_blocks(self, seq: Sequence) -> bool:
         """Blocks for all of `seq`'s tokens, the cached ones its tokens begin with by reference
         (`seq.cached` positions it need not compute), with one block of room a running sequence left."""
-        cached = self.blocks.match(seq.all_ids)
+        epoch = self.blocks.epoch
+        oldest = epoch - self.blocks.keep_epochs if seq.keep_old_kv and epoch is not None else None
+        cached = self.blocks.match(seq.all_ids, oldest)
         n = self.blocks.blocks_for(seq.num_tokens) - len(cached)
         if n + len(self.running) > self.blocks.num_free:
             self.blocks.free(cached)

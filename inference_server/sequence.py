@@ -65,7 +65,10 @@ class Sequence:
     cached: int = 0                          # paged: its first positions, taken from the prefix cache at admission
     cached_tokens: int = 0                   # paged: positions its last admission took from the prefix cache (and tier)
     kv_epoch: int | None = None              # paged: the weights epoch all its keys and values were computed under
-    prefill_version: int | None = None       # weights that computed the KV cache of the prompt
+    prefill_version: int | None = None       # weights that computed the KV cache of the prompt (the oldest of them)
+    keep_old_kv: bool = False                # paged: may take cached blocks of older weights (kv_policy "continue")
+    kv_versions: list[list[int]] = field(default_factory=list)  # [start, end, weights version] of the positions
+                                                                # it was admitted with (the last admission)
     num_retractions: int = 0
     arrival: float = field(default_factory=time.monotonic)
     generator: Any = None                     # torch.Generator when params.seed is set

@@ -1,7 +1,7 @@
 """The host KV tier (inference_server/kv_tier.py): a multi-turn episode's next turn whose blocks the
 pool evicted loads them from host memory instead of prefilling them, with the tokens and logprobs of a
 fresh prefill; a corrupted tier block is detected and recomputed; blocks made under other weights are
-not used."""
+not used, but by a request that keeps old KV (kv_policy continue), which says which weights made them."""
 from __future__ import annotations
 
 import random
@@ -81,7 +81,7 @@ def test_a_corrupted_tier_block_is_detected_and_recomputed(tiny_model):
 
     def save_then_corrupt(*a):
         real_save(*a)
-        slot = tier.entries[a[1]][0]
+        slot = tier.entries[(a[1], a[4])][0]
         tier.store[slot, 0, 0, 0, 0, 0] += 1.0              # a flipped value after the digest was taken
     tier.save = save_then_corrupt
     turns = episode_turns(e, prompts)
@@ -107,6 +107,51 @@ def test_tier_blocks_made_under_other_weights_are_not_used(tiny_model, tiny_mode
     seqs = run(e, [Sequence("after", list(prompts[0]), SamplingParams(max_new_tokens=4, temperature=0.0))])
     assert e.tier_stats()["loaded_blocks"] == loaded and seqs[0].cached_tokens == 0
     assert e.tier_stats()["host_entries"] == 0
+
+
+def test_old_weights_kv_serves_only_a_request_that_keeps_old_kv_and_it_reports_the_age(tiny_model, tiny_model_v2):
+    """kv_keep_versions=1: after a push, a fresh request computes its whole prompt under the new weights;
+    one sent with keep_old_kv (kv_policy "continue") takes the blocks the old weights made, from the pool
+    or the host tier, its kv_versions say which positions are old, and its logprobs are those of the new
+    weights attending to the old keys and values (transformers: v1's cache of the prefix, v2 over the rest)."""
+    from inference_server import weights
+    from transformers import AutoModelForCausalLM, DynamicCache
+    rng = random.Random(0)
+    prompts = [[rng.randrange(20, 1900) for _ in range(70)] for _ in range(3)]
+    e = engine(tiny_model, host_gb=0.05, kv_keep_versions=1)
+    last = episode_turns(e, prompts, turns=2)[-1]
+    v2 = AutoModelForCausalLM.from_pretrained(tiny_model_v2, dtype=torch.float32).eval()
+    e.swap_weights({n: p.detach().clone() for n, p in weights.parameters(v2).items()}, 1)
+    e._run_commands()
+    turns = [s.prompt_ids + s.output_ids + [rng.randrange(20, 1900) for _ in range(10)] for s in last]
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    loaded = e.tier_stats()["loaded_blocks"]
+    old = run(e, [Sequence(f"old{i}", list(t), greedy, keep_old_kv=True) for i, t in enumerate(turns)])
+    assert e.tier_stats()["loaded_blocks"] > loaded                # some of it from the host tier
+    for s, t in zip(old, turns):
+        c = s.cached_tokens
+        assert c >= 64 and s.kv_versions == [[0, c, 0], [c, len(t), 1]] and s.prefill_version == 0
+        assert s.output_versions == [1] * 6
+    # neither the old blocks nor those computed over them serve a request of the new weights
+    loaded = e.tier_stats()["loaded_blocks"]
+    fresh = run(e, [Sequence(f"fresh{i}", list(t), greedy) for i, t in enumerate(turns)])
+    assert all(s.cached_tokens == 0 and s.kv_versions == [[0, len(t), 1]] for s, t in zip(fresh, turns))
+    assert e.tier_stats()["loaded_blocks"] == loaded
+    with torch.no_grad():
+        logits = v2(torch.tensor([turns[0] + fresh[0].output_ids])).logits[0]
+    assert fresh[0].output_ids == [int(logits[len(turns[0]) + j - 1].argmax()) for j in range(6)]
+    v1 = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    s, t = old[0], turns[0]
+    c = s.cached_tokens
+    with torch.no_grad():
+        cache = DynamicCache()
+        v1(torch.tensor([t[:c]]), cache=cache, use_cache=True)
+        logits = v2(torch.tensor([t[c:] + s.output_ids]), cache=cache, use_cache=True).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    n = len(t) - c
+    assert s.output_ids == [int(lp[n + j - 1].argmax()) for j in range(6)]
+    want = torch.tensor([lp[n + j - 1, tok] for j, tok in enumerate(s.output_ids)])
+    assert torch.allclose(torch.tensor(s.output_logprobs), want, atol=1e-4)
 
 
 def test_a_host_tier_without_the_paged_cache_is_refused_by_name(tiny_model):

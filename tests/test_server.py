@@ -32,6 +32,14 @@ def reference_logprobs(model, prompt, output, temperature):
     return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(output)[:, None])[:, 0]
 
 
+def test_meta_info_says_which_weights_made_the_prompts_keys_and_values(server):
+    body = dict(input_ids=list(range(5, 205)), sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    first = generate(server, **body)["meta_info"]
+    again = generate(server, kv_policy="continue", **body)["meta_info"]     # no older weights kept: as fresh
+    for m in (first, again):
+        assert m["kv_versions"] == [[0, 200, 0]] and m["kv_age"] == 0 and m["kv_cache_weight_version"] == 0
+
+
 def test_single_generate(server):
     out = generate(server, text="12 + 34 =", sampling_params={"max_new_tokens": 9, "ignore_eos": True})
     assert len(out["output_ids"]) == 9
@@ -243,6 +251,7 @@ def test_two_hundred_concurrent_requests(server):
     ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "hi", "return_logprob": "yes"}, "return_logprob"),
+    ({"text": "hi", "kv_policy": "stale"}, "kv_policy"),
 ])
 def test_bad_input_is_refused_with_the_field_named(server, body, field):
     content = body if isinstance(body, str) else json.dumps(body)

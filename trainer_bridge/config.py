@@ -228,6 +228,9 @@ class ServerConfig:
     kv_host_gb: float = f(0.0, "a second KV tier in each server's host memory (GiB; 0: none): prefix-cache blocks evicted "
                                "from the pool wait there, and a multi-turn episode's next turn loads its context "
                                "instead of prefilling it (inference_server/kv_tier.py)")
+    kv_keep_versions: int = f(0, "cached KV blocks (pool and tiers) of this many earlier weight versions stay in each "
+                                 "embedded server, for requests sent with kv_policy=continue (they take them and "
+                                 "report their age in meta_info kv_versions / kv_age); 0: none")
     kv_store: KvStore = f(KvStore.none, "none | mooncake (the third KV tier: a Mooncake Store master started with the "
                                         "fleet; every server publishes the blocks it caches and loads the ones it "
                                         "lacks, so a turn moved to another server does not prefill its prefix)")
@@ -260,8 +263,10 @@ class ServerConfig:
             (self.context_length >= 8, f"server.context_length={self.context_length}: must be >= 8"),
             (self.kv_cache_gb >= 0, f"server.kv_cache_gb={self.kv_cache_gb}: must be >= 0 (0: the device's default)"),
             (self.kv_host_gb >= 0, f"server.kv_host_gb={self.kv_host_gb}: must be >= 0 (0: no host tier)"),
-            (self.engine != "vllm" or (not self.kv_host_gb and self.kv_store == "none"),
-             "server.kv_host_gb and server.kv_store are the embedded engine's KV tiers: not with server.engine=vllm"),
+            (self.kv_keep_versions >= 0, f"server.kv_keep_versions={self.kv_keep_versions}: must be >= 0 (0: none)"),
+            (self.engine != "vllm" or (not self.kv_host_gb and self.kv_store == "none" and not self.kv_keep_versions),
+             "server.kv_host_gb, server.kv_store and server.kv_keep_versions are the embedded engine's KV tiers: not "
+             "with server.engine=vllm"),
             (self.speculative_tokens >= 1, f"server.speculative_tokens={self.speculative_tokens}: must be >= 1"),
             (self.engine != "vllm" or self.speculative in ("off", None),
              f"server.speculative={self.speculative!r} is the embedded engine's: with server.engine=vllm give vLLM's "

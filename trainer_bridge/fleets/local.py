@@ -60,6 +60,8 @@ def server_args(server: ServerConfig, weight_sync: WeightSyncConfig, seed: int, 
         args += ["--speculative", str(server.speculative), "--speculative-tokens", str(server.speculative_tokens)]
     if server.kv_host_gb:
         args += ["--kv-host-gb", str(server.kv_host_gb)]
+    if server.kv_keep_versions:
+        args += ["--kv-keep-versions", str(server.kv_keep_versions)]
     return args + cpu_share_args(share)
 
 
