@@ -45,6 +45,7 @@ class BlockAllocator:
         # block -> (chain hash, block before it or -1, tokens, chain hash before it or 0, epoch)
         self._meta: dict[int, tuple[int, int, tuple, int, int]] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()     # cached blocks nobody holds, oldest first
+        self._ended: set[int] = set()                  # idle blocks of an ended episode: evicted first, not saved
         self.tier = None          # kv_tier.TierChain: where evicted cached blocks go, and come back from
 
     @property
@@ -122,6 +123,7 @@ class BlockAllocator:
 
     def _forget(self, b: int) -> None:
         del self._meta[b]
+        self._ended.discard(b)
         if b in self._idle:
             del self._idle[b]
             self._free.append(b)
@@ -183,6 +185,7 @@ class BlockAllocator:
             return None                                    # a hash shared by other tokens
         if self._refs[b] == 0:
             del self._idle[b]
+            self._ended.discard(b)
             self._refs[b] = 1
         else:
             self._refs[b] += 1
@@ -220,6 +223,41 @@ class BlockAllocator:
             del self._cached[h]
         else:
             del self._old[(epoch, h)]
-        if self.tier is not None:
+        if b in self._ended:
+            self._ended.discard(b)                       # an ended episode's: not worth the tier's room
+        elif self.tier is not None:
             self.tier.save(b, h, before, chunk, epoch)   # its keys and values, before the block is reused
         return b
+
+    def end(self, ids: list[int], keep: int) -> int:
+        """An episode is over (its tokens `ids`; the first `keep` it shares with others, as a GRPO group's
+        samples share their prompt): its own cached blocks nobody holds are the first evicted when room is
+        needed, and not into the tier, where its entries are dropped too. Returns the pool blocks demoted."""
+        n, bs = 0, self.block_size
+        if self.epoch is None:
+            return 0
+        for i, h, chunk in self._chain(ids, len(ids) // bs):
+            if (i + 1) * bs <= keep:
+                continue
+            b = self._cached.get(h)
+            if b is not None and b in self._idle and self._meta[b][2] == chunk:
+                self._idle.move_to_end(b, last=False)
+                self._ended.add(b)
+                n += 1
+            if self.tier is not None:
+                self.tier.forget(h, self.epoch)
+        return n
+
+    def flush(self) -> int:
+        """Forget every cached block nobody holds (and the tier's entries); returns how many blocks."""
+        idle = list(self._idle)
+        for b in idle:
+            h, _, _, _, epoch = self._meta[b]
+            if epoch == self.epoch:
+                del self._cached[h]
+            else:
+                del self._old[(epoch, h)]
+            self._forget(b)
+        if self.tier is not None:
+            self.tier.clear()
+        return len(idle)

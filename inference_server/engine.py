@@ -105,6 +105,8 @@ class EngineStats:
     spec_steps: int = 0                    # steps that verified drafts
     spec_drafted: int = 0                  # tokens drafted, and accepted by the policy
     spec_accepted: int = 0
+    episodes_ended: int = 0                # end_episode calls, and the cached blocks they put first in line
+    ended_blocks: int = 0
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, load_weights: bool = True):
@@ -688,6 +690,22 @@ class Engine:
         return [("riptide_kv_blocks_total", "KV cache blocks", blocks.num_blocks),
                 ("riptide_kv_blocks_free", "KV cache blocks free", blocks.num_free),
                 ("riptide_kv_block_size", "Positions a KV block", blocks.block_size)]
+
+    def end_episode(self, ids: list[int], keep: int = 0) -> Future:
+        """A multi-turn episode is over (its tokens; the first `keep` shared with others, its prompt): its
+        cached blocks go first when the pool needs room, and not into the host tier (blocks.end).
+        Resolves to the pool blocks demoted."""
+        def run() -> int:
+            blocks = self.scheduler.blocks
+            n = blocks.end(ids, keep) if blocks is not None else 0
+            self.stats.episodes_ended += 1
+            self.stats.ended_blocks += n
+            return n
+        return self.submit(run)
+
+    def flush_cache(self) -> Future:
+        """Forget the prefix cache's blocks nobody holds and the host tier's entries; resolves to the blocks."""
+        return self.submit(lambda: self.scheduler.blocks.flush() if self.scheduler.blocks is not None else 0)
 
     def tier_stats(self) -> dict:
         """The KV tiers' counters (kv_tier.TierChain.stats: the host tier's, the store's as store_*); empty

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ValidationError
 
 from inference_server.engine import Engine, PauseMode
-from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, CompletionRequest,
+from inference_server.io_struct import (AbortReqInput, ChatCompletionRequest, CompletionRequest, EndEpisodeReqInput,
                                         GenerateReqInput, PauseGenerationReqInput, SamplingParamsIn,
                                         UpdateWeightsFromDiskReqInput, dumps, parse_version)
 from inference_server.metrics import metrics_text
@@ -394,8 +394,14 @@ def _control_routes(app: FastAPI, engine: Engine) -> None:
 
     @app.post("/flush_cache")
     async def flush_cache():
-        # The slot cache holds only live sequences; there is no prefix cache to drop.
-        return {"success": True, "message": "no prefix cache to flush"}
+        n = await asyncio.wrap_future(engine.flush_cache())
+        return {"success": True, "message": f"{n} cached KV blocks forgotten", "blocks": n}
+
+    @app.post("/end_episode")
+    async def end_episode(req: EndEpisodeReqInput = body(EndEpisodeReqInput)):
+        """Riptide's: a multi-turn episode is over, its cached blocks go first (blocks.BlockAllocator.end)."""
+        n = await asyncio.wrap_future(engine.end_episode(req.input_ids, req.shared_tokens))
+        return {"success": True, "blocks": n}
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(req: UpdateWeightsFromDiskReqInput = body(UpdateWeightsFromDiskReqInput)):

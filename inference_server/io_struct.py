@@ -103,6 +103,13 @@ class GenerateReqInput(BaseModel):
     kv_policy: Literal["fresh", "continue"] = "fresh"
 
 
+class EndEpisodeReqInput(BaseModel):
+    """A multi-turn episode is over: its tokens (prompt and every turn), and how many of the first are
+    shared with other episodes (a GRPO group's prompt), whose blocks stay where they are."""
+    input_ids: list[StrictInt]
+    shared_tokens: StrictInt = Field(0, ge=0)
+
+
 class AbortReqInput(BaseModel):
     rid: Union[StrictStr, list[StrictStr]] = ""     # a list is Riptide's extension: one call, many aborts
     abort_all: StrictBool = False

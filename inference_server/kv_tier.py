@@ -59,6 +59,14 @@ class HostTier:
         self._free.append(self.entries.pop(key)[0])
         self.stats["dropped_blocks"] += 1
 
+    def forget(self, h: int, epoch: int) -> None:
+        if (h, epoch) in self.entries:
+            self._drop((h, epoch))
+
+    def clear(self) -> None:
+        for key in list(self.entries):
+            self._drop(key)
+
     def save(self, block: int, h: int, before: int, chunk: tuple, epoch: int | None) -> None:
         """Pool block `block` (cached as chain hash `h`, made under `epoch`) is about to be reused: keep a copy."""
         if epoch is None:
@@ -133,6 +141,15 @@ class TierChain:
     def save(self, block: int, h: int, before: int, chunk: tuple, epoch: int | None) -> None:
         if self.host is not None:
             self.host.save(block, h, before, chunk, epoch)
+
+    def forget(self, h: int, epoch: int) -> None:
+        """An ended episode's block: its host entry goes (the store's stay: other servers may want them)."""
+        if self.host is not None:
+            self.host.forget(h, epoch)
+
+    def clear(self) -> None:
+        if self.host is not None:
+            self.host.clear()
 
     def publish(self, block: int, h: int, before: int, chunk: tuple) -> None:
         if self.store is not None:

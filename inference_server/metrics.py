@@ -30,6 +30,8 @@ class _EngineCollector:
             ("riptide_row_forwards", "Sequence-steps: tokens generated over this is tokens a forward", s.row_forwards),
             *((f"riptide_kv_tier_{k}", f"Host KV tier: {k.replace('_', ' ')}", v)
               for k, v in e.tier_stats().items() if k != "host_entries"),
+            ("riptide_episodes_ended", "Multi-turn episodes said over (/end_episode)", s.episodes_ended),
+            ("riptide_ended_blocks", "Cached KV blocks of ended episodes put first in line for eviction", s.ended_blocks),
             ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
              e.scheduler.cached_tokens),
         ):

@@ -101,9 +101,11 @@ class ServerClient:
         return out
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       fallback_version: int = -1) -> Generation:
-        out = await self._post("/generate", {"input_ids": input_ids, "sampling_params": sampling_params,
-                                             "return_logprob": True, "rid": rid})
+                       fallback_version: int = -1, kv_policy: str = "fresh") -> Generation:
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True, "rid": rid}
+        if kv_policy != "fresh":                 # Riptide's field: a plain SGLang server gets none it lacks
+            body["kv_policy"] = kv_policy
+        out = await self._post("/generate", body)
         meta = out["meta_info"]
         ids = out["output_ids"]
         lps = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
@@ -117,6 +119,14 @@ class ServerClient:
                           forwards=int(meta.get("spec_verify_ct") or len(ids)),
                           drafted=int(meta.get("spec_draft_tokens") or 0), accepted=int(meta.get("spec_accepted_tokens") or 0),
                           cached=int(meta.get("cached_tokens") or 0))
+
+    async def end_episode(self, input_ids: list[int], shared_tokens: int) -> None:
+        """A multi-turn episode is over: its cached KV blocks may go first (Riptide's /end_episode). A
+        hint: a server without the endpoint, or one that fails, changes nothing."""
+        try:
+            await self._post("/end_episode", {"input_ids": input_ids, "shared_tokens": shared_tokens}, timeout=10)
+        except Exception:  # noqa: BLE001 - a hint: nothing of the episode depends on it
+            pass
 
     async def abort(self, rids: list[str]) -> None:
         """Abort requests by rid: one call on a Riptide server; one call per rid on a plain SGLang one."""
@@ -207,7 +217,7 @@ class VllmClient(ServerClient):
         return f"generate-tokens-{rid}"          # vLLM's name for a request sent to /inference/v1/generate
 
     async def generate(self, input_ids: list[int], sampling_params: dict, rid: str,
-                       fallback_version: int = -1) -> Generation:
+                       fallback_version: int = -1, kv_policy: str = "fresh") -> Generation:
         try:
             params = self.sampling(sampling_params)
         except ValueError as e:
@@ -227,6 +237,9 @@ class VllmClient(ServerClient):
         reason = choice.get("finish_reason") or "stop"
         finish = Finish(reason) if reason in {f.value for f in Finish} else Finish.STOP
         return Generation(ids, lps, versions, finish, "")
+
+    async def end_episode(self, input_ids: list[int], shared_tokens: int) -> None:
+        pass                                      # vLLM's prefix cache has no such hint
 
     async def abort(self, rids: list[str]) -> None:
         if rids:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # Members are named as their values: Hydra (OmegaConf) takes an enum field by member name, so
 # `rollout.update_policy=continue` must be a name (a keyword, hence the functional form).
 UpdatePolicy = enum.Enum("UpdatePolicy", [(v, v) for v in ("abort_furthest", "abort_all", "continue")], type=str)
+KvPolicy = enum.Enum("KvPolicy", [(v, v) for v in ("fresh", "continue")], type=str)
 UpdatePolicy.__doc__ = """What a new weight version does to the requests in flight: abort_furthest aborts
 abort_fraction of them, furthest from done, while rollout is a batch ahead; abort_all aborts every
 one; continue lets them finish under the new weights (their KV came from the old). An aborted
@@ -55,6 +56,8 @@ class RolloutConfig:
     on_policy_warmup_kl: float = 0.0    # and on from the start while the trainer's last update moved the policy
                                         # more than this KL a token (measured on the batch it trained; 0: off)
     update_policy: UpdatePolicy = UpdatePolicy.abort_furthest
+    kv_policy: KvPolicy = KvPolicy.fresh   # continue: requests may take the KV older weights made where the
+                                        # servers keep it (server.kv_keep_versions); fresh: the serving weights' only
     abort_fraction: float = 0.5         # abort_furthest: this share of in-flight requests, furthest from
                                         # done, when the next two batches are ready (else none)
     max_new_tokens: int = 256
@@ -84,7 +87,7 @@ class RolloutConfig:
     def problems(self) -> list[str]:
         """Every setting that is wrong, one message each (the enums are coerced on the way)."""
         out = []
-        for name, kind in (("update_policy", UpdatePolicy), ("stale_policy", StalePolicy)):
+        for name, kind in (("update_policy", UpdatePolicy), ("stale_policy", StalePolicy), ("kv_policy", KvPolicy)):
             try:
                 setattr(self, name, kind(getattr(self, name)))
             except ValueError:

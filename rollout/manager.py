@@ -152,8 +152,9 @@ class RolloutManager(GroupOutcomes):
 
     async def _run_sample(self, sample: Sample) -> None:
         try:
-            await self.rollout_fn(sample, RolloutContext(sample, self.tokenizer, self.cfg.sampling_params(),
-                                                         self.requests))
+            ctx = RolloutContext(sample, self.tokenizer, self.cfg.sampling_params(), self.requests)
+            await self.rollout_fn(sample, ctx)
+            await ctx.end_episode()
         except (RolloutStopped, StaleSample):
             raise
         except RequestRefused as e:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rollout.client import Generation, RequestRefused, ServerClient, ServerError
-from rollout.config import RolloutConfig
+from rollout.config import KvPolicy, RolloutConfig
 from rollout.metrics import RolloutMetrics
 from rollout.router import NoServerAvailable, Router
 from rollout.slots import RequestSlots
@@ -70,8 +70,8 @@ class Requests:
             self.inflight[rid] = InFlightRequest(sample, client, started, params["max_new_tokens"], version)
             sample.status = SampleStatus.RUNNING
             try:
-                gen = await self.router.call(client, client.generate(sample.input_ids, params, rid,
-                                                                     fallback_version=version))
+                gen = await self.router.call(client, client.generate(sample.input_ids, params, rid, fallback_version=version,
+                                                                     kv_policy=KvPolicy(self.cfg.kv_policy).value))
             except RequestRefused:
                 raise
             except ServerError as e:

@@ -154,6 +154,32 @@ def test_old_weights_kv_serves_only_a_request_that_keeps_old_kv_and_it_reports_t
     assert torch.allclose(torch.tensor(s.output_logprobs), want, atol=1e-4)
 
 
+def test_an_ended_episodes_blocks_go_first_and_not_into_the_tier(tiny_model):
+    """Episode B's turn finished first, then A's (so B's blocks are the older idle ones); A is said over
+    (end_episode, its prompt shared): a newcomer that needs room evicts A's own blocks, not B's, and the host
+    tier is not given them. Without the call, B's next turn would find its prefix gone."""
+    rng = random.Random(5)
+    b_prompt = [rng.randrange(20, 1900) for _ in range(70)]
+    a_prompt = [rng.randrange(20, 1900) for _ in range(40)]
+    newcomer = [rng.randrange(20, 1900) for _ in range(85)]
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    results = {}
+    for end in (False, True):
+        e = engine(tiny_model, host_gb=0.05 if end else 0)
+        b = run(e, [Sequence("b", list(b_prompt), sp)])[0]
+        a = run(e, [Sequence("a", list(a_prompt), SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))])[0]
+        if end:
+            done = e.end_episode(a.all_ids, len(a_prompt))
+            e._run_commands()
+            assert done.result(timeout=10) == 2           # A's 4 cached blocks but the 2 of its (shared) prompt
+        run(e, [Sequence("c", list(newcomer), SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True))])
+        saved = e.tier_stats().get("saved_blocks")                # C's room came from A's own blocks, not saved
+        turn = b.all_ids + [rng.randrange(20, 1900) for _ in range(10)]
+        results[end] = (run(e, [Sequence("b2", turn, sp)])[0].cached_tokens, saved)
+    assert results[False][0] == 0
+    assert results[True] == (16 * ((len(b_prompt) + 10 - 1) // 16), 0)
+
+
 def test_a_host_tier_without_the_paged_cache_is_refused_by_name(tiny_model):
     with pytest.raises(ValueError, match="kv_host_gb"):
         Engine(EngineArgs(tiny_model, context_length=128, kv_layout="contiguous", kv_host_gb=1.0))

@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import httpx
 from transformers import AutoTokenizer
 
 from rollout.client import ServerClient
@@ -483,14 +484,21 @@ def test_multi_turn_function_with_a_toy_tool(servers, tokenizer):
         await ctx.generate(sample, max_new_tokens=7)
         return sample
 
+    def episodes_ended(url):
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("riptide_episodes_ended")))
+
     async def main():
-        m = manager([servers()[0].url], tokenizer)
+        m = manager([servers()[0].url], tokenizer, kv_policy="continue")   # the field goes over the wire too
         m.rollout_fn = with_tool
         await m.start()
         groups, _ = await m.next_batch()
         await m.stop()
         return groups
+    before = episodes_ended(servers()[0].url)
     groups = run(main())
+    # each finished episode told its server it was over (its KV blocks first in line for eviction)
+    assert episodes_ended(servers()[0].url) - before >= sum(len(g.samples) for g in groups)
     want = [1] * 5 + [0] * len(tool_ids) + [1] * 7
     for s in (s for g in groups for s in g.samples):
         assert s.loss_mask == want and s.response_ids[5:5 + len(tool_ids)] == tool_ids

@@ -40,6 +40,20 @@ def test_meta_info_says_which_weights_made_the_prompts_keys_and_values(server):
         assert m["kv_versions"] == [[0, 200, 0]] and m["kv_age"] == 0 and m["kv_cache_weight_version"] == 0
 
 
+def test_end_episode_and_flush_cache_let_go_of_cached_blocks(server):
+    body = dict(input_ids=list(range(300, 560)), sampling_params={"max_new_tokens": 3, "ignore_eos": True})
+    out = generate(server, **body)
+    paged = "paged" in server.args
+    r = httpx.post(f"{server.url}/end_episode", json={"input_ids": body["input_ids"] + out["output_ids"],
+                                                      "shared_tokens": 100}, timeout=30).json()
+    assert r["success"] and (r["blocks"] >= 1 if paged else r["blocks"] == 0)
+    assert generate(server, **body)["meta_info"]["cached_tokens"] == (256 if paged else 0)   # still there
+    assert httpx.post(f"{server.url}/flush_cache", timeout=30).json()["success"]
+    assert generate(server, **body)["meta_info"]["cached_tokens"] == 0
+    bad = httpx.post(f"{server.url}/end_episode", json={"input_ids": [1, 2], "shared_tokens": -1}, timeout=30)
+    assert bad.status_code == 400 and "shared_tokens" in bad.json()["error"]
+
+
 def test_single_generate(server):
     out = generate(server, text="12 + 34 =", sampling_params={"max_new_tokens": 9, "ignore_eos": True})
     assert len(out["output_ids"]) == 9
