@@ -50,6 +50,18 @@ class Generation:
     drafted: int = 0                 # speculative decoding: tokens drafted, and accepted
     accepted: int = 0
     cached: int = 0                  # prompt positions the server took from its KV caches (prefix cache, tiers)
+    old_kv: int = 0                  # ... of those, positions whose KV older weights made (kv_policy continue)
+
+
+def old_kv_positions(meta: dict) -> int:
+    """Positions of an answer's context whose keys and values weights older than its last token's made
+    (Riptide's meta_info kv_versions: [start, end, version] runs; 0 where a server gives none)."""
+    runs = meta.get("kv_versions") or []
+    try:
+        newest = max(int(v) for _, _, v in runs) if runs else 0
+        return sum(int(e) - int(s) for s, e, v in runs if int(v) < newest)
+    except (TypeError, ValueError):
+        return 0
 
 
 class ServerClient:
@@ -118,7 +130,7 @@ class ServerClient:
         return Generation(ids, lps, versions, Finish(meta["finish_reason"]["type"]), out.get("text", ""),
                           forwards=int(meta.get("spec_verify_ct") or len(ids)),
                           drafted=int(meta.get("spec_draft_tokens") or 0), accepted=int(meta.get("spec_accepted_tokens") or 0),
-                          cached=int(meta.get("cached_tokens") or 0))
+                          cached=int(meta.get("cached_tokens") or 0), old_kv=old_kv_positions(meta))
 
     async def end_episode(self, input_ids: list[int], shared_tokens: int) -> None:
         """A multi-turn episode is over: its cached KV blocks may go first (Riptide's /end_episode). A

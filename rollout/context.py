@@ -49,6 +49,7 @@ class RolloutContext:
             metrics.spec_drafted += gen.drafted
             metrics.spec_accepted += gen.accepted
             metrics.prompt_tokens_cached += gen.cached
+            metrics.prompt_tokens_old_kv += gen.old_kv
             self.server = client
             if gen.finish is not Finish.ABORT:
                 sample.status = SampleStatus.COMPLETED if gen.finish is Finish.STOP else SampleStatus.TRUNCATED

@@ -80,6 +80,7 @@ class Totals:
     spec_drafted: int = 0          # speculative decoding: tokens the servers drafted, and the policy accepted
     spec_accepted: int = 0
     prompt_tokens_cached: int = 0  # prompt positions the servers took from their KV caches, not prefilled
+    prompt_tokens_old_kv: int = 0  # ... of those, positions whose KV older weights made (rollout.kv_policy=continue)
     tokens_aborted: int = 0        # tokens in requests cut short by an abort (kept: they resume)
     tokens_resumed: int = 0        # response tokens carried into a resumed request
     tokens_wasted: int = 0         # generated tokens thrown away (filtered, stale, failed groups)

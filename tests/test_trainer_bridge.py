@@ -72,6 +72,8 @@ def test_a_bad_config_is_refused_before_anything_starts(tmp_path, override, word
     (["trainer.resume=latest"], ["trainer.resume=latest", "no checkpoint"]),
     (["server.engine=sglang"], ["server.engine='sglang'", "riptide | vllm"]),
     (["cluster.kind=k8s", "server.kv_layout=pagd"], ["cluster.kind='k8s': use local | ray", "server.kv_layout='pagd'"]),
+    (["rollout.kv_policy=stale"], ["rollout.kv_policy='stale'", "fresh | continue"]),
+    (["server.kv_keep_versions=-1"], ["server.kv_keep_versions=-1", ">= 0"]),
     (["server=vllm", "server.vllm_python=/no/python"], ["server.engine=vllm", "/no/python", "make setup-vllm"]),
     (["task.name=bogus", "trainer.lr=-1", "rollout.max_new_tokens=10000"],
      ["task.name='bogus'", "trainer.lr=-1.0", "rollout.max_new_tokens=10000"]),   # one line per problem
@@ -306,7 +308,7 @@ def test_short_grpo_run_learns_and_cleans_up(short_run):
     assert sum(r["sync/overlapped"] for r in lines) >= 25 and lines[49]["sync/overlapped"] == 0
     for key in ("reward/mean", "sync/gbps", "train/grad_norm", "train/logprob_mean_abs_diff",
                 "rollout/tokens_per_s", "time/wait_for_data_s", "rollout/spec_drafted", "rollout/spec_accepted",
-                "rollout/tokens_per_forward", "rollout/prompt_tokens_cached", "kv_tier/loaded_blocks",
+                "rollout/tokens_per_forward", "rollout/prompt_tokens_cached", "rollout/prompt_tokens_old_kv", "kv_tier/loaded_blocks",
                 "kv_tier/misses"):
         assert key in lines[-1]
     assert lines[-1]["rollout/tokens_per_forward"] >= 1.0
