@@ -70,15 +70,21 @@ static void parallel_rows(void (*fn)(const void *, int64_t, int64_t), const void
         return;
     }
     part_t parts[MAX_THREADS];
+    for (int t = 0; t < threads; t++) parts[t] = (part_t){fn, args, rows * t / threads, rows * (t + 1) / threads};
+#ifdef _OPENMP
+    /* torch's OpenMP team (see paged_attention.c) */
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int t = 0; t < threads; t++) run_part(&parts[t]);
+#else
     pthread_t tids[MAX_THREADS];
     int started[MAX_THREADS] = {0};
-    for (int t = 0; t < threads; t++) parts[t] = (part_t){fn, args, rows * t / threads, rows * (t + 1) / threads};
     for (int t = 1; t < threads; t++) started[t] = pthread_create(&tids[t], NULL, run_part, &parts[t]) == 0;
     run_part(&parts[0]);
     for (int t = 1; t < threads; t++) {
         if (started[t]) pthread_join(tids[t], NULL);
         else run_part(&parts[t]);
     }
+#endif
 }
 
 #if defined(__AVX512F__)

@@ -368,6 +368,14 @@ int NAME(riptide_paged_decode)(const float *q, int64_t q_row, const KV_T *kp, co
         jobs[t] = base;
         jobs[t].w0 = jobs[t].w1 = items;
     }
+#ifdef _OPENMP
+    /* torch's own OpenMP team (the library shares the libgomp torch loaded): no thread made a call, and
+       no second pool spinning against torch's on the same cores */
+    (void)tids; (void)started;
+#pragma omp parallel for num_threads(threads) schedule(static, 1)
+    for (int j = 0; j < threads; j++)
+        if (jobs[j].w1 > jobs[j].w0) NAME(run)(&jobs[j]);
+#else
     for (int t = 1; t < threads; t++)
         started[t] = jobs[t].w1 > jobs[t].w0 && pthread_create(&tids[t], NULL, NAME(run), &jobs[t]) == 0;
     NAME(run)(&jobs[0]);
@@ -375,6 +383,7 @@ int NAME(riptide_paged_decode)(const float *q, int64_t q_row, const KV_T *kp, co
         if (started[t]) pthread_join(tids[t], NULL);
         else NAME(run)(&jobs[t]);
     }
+#endif
     return 0;
 }
 #endif  /* KV_T */

@@ -21,6 +21,11 @@ import torch
 log = logging.getLogger("riptide.paged_kernel")
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+# With OpenMP the kernels' threads are torch's own OpenMP team: the library's libgomp is the one torch
+# loaded (same soname, already in the process). Their own pthreads, made each call, ran beside torch's
+# team still spinning after a matmul: a bf16 decode step of 8 rows on both cores took 57.8 ms against 45
+# on one. Without OpenMP (another compiler, another runtime in the process) they make their own threads.
+OMP_FLAGS = [f for f in FLAGS if f != "-fopenmp-simd"] + ["-fopenmp"]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -41,19 +46,43 @@ def _cpu_key() -> str:
     return "\n".join([platform.machine(), *lines])
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
     src = b"".join(s.read_bytes() for s in SOURCES)
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
     out = _cache_dir() / f"riptide_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:        # built aside, then renamed in
         part = Path(tmp) / out.name
-        subprocess.run([compiler, *FLAGS, "-o", str(part), *map(str, SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *flags, "-o", str(part), *map(str, SOURCES), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(part, out)
     return out
+
+
+def _openmp_runtimes() -> set[str]:
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {os.path.realpath(ln.split()[-1]) for ln in maps if "libgomp" in ln or "libiomp" in ln or "libomp" in ln}
+
+
+def _with_torchs_openmp(compiler: str):
+    """The kernels built with OpenMP, if that builds and loading them brings no second OpenMP runtime
+    into the process (their libgomp is torch's); else None (the pthread build is used)."""
+    if os.environ.get("RIPTIDE_KERNEL_OPENMP", "1") == "0" or "OpenMP" not in torch.__config__.parallel_info():
+        return None
+    before = _openmp_runtimes()
+    try:
+        lib = ctypes.CDLL(str(_build(compiler, OMP_FLAGS)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if before and _openmp_runtimes() != before:
+        log.warning("the OpenMP kernels brought a second OpenMP runtime into the process: using the pthread build")
+        return None
+    return lib
 
 
 def _load():
@@ -64,7 +93,7 @@ def _load():
         log.warning("no C compiler: the paged KV cache gathers blocks for attention (slower)")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = _with_torchs_openmp(compiler) or ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("paged-attention kernel not built (%s%s): the paged KV cache gathers blocks instead",
