@@ -32,15 +32,17 @@ ROW_WORK, PREFILL_WORK = 64, 200
 class TwoWays:
     """Which of two ways to run a step ("team": one step on an OpenMP team over every core; "own":
     the engine thread alone, or two single-threaded parts), per step size (a power of two of its
-    work). The way not taken is tried for a few steps in a row, right after a few taken the best
-    way, and the median seconds per unit of work compared: consecutive steps hold nearly the same
-    rows, where steps far apart (another mix of prefill and decode, other lengths) do not compare,
-    and the first step after a change pays for it (a team's sleeping thread, a helper that finds
-    the team's thread still spinning), so it is left out. A try comes after `first_retry` steps of
-    that size, then after twice as many each time the other way loses again (up to `max_retry`),
-    back to `first_retry` when it wins: when the team stalls 3.6x behind a busy neighbour, its
-    tries cost about 2% of the steps. A size starts on its own way (the split), which never
-    stalls, so a crowded host (servers and a trainer sharing two cores) meets the team only in a try."""
+    work). For each size, the way not taken is tried for a few steps of that size, after a few of
+    that size taken the best way, and the median seconds per unit of work compared; the first step
+    of a try pays for the change (a team's sleeping thread, a helper that finds the team's thread
+    still spinning), so it is left out. Each size keeps its own recent steps and its own try: under
+    HTTP traffic a newcomer joins nearly every other step, so step sizes interleave, and a try that
+    needed consecutive steps of one size never came (a server's steps all ran split, 0 on the team).
+    A try comes after `first_retry` steps of that size, then after twice as many each time the
+    other way loses again (up to `max_retry`), back to `first_retry` when it wins: when the team
+    stalls 3.6x behind a busy neighbour, its tries cost about 2% of the steps. A size starts on its
+    own way (the split), which never stalls, so a crowded host (servers and a trainer sharing two
+    cores) meets the team only in a try."""
 
     WAYS = ("own", "team")                              # the first is where a step size starts
     BASE, TRY = 3, 4                                    # steps compared before a try, steps a try takes
@@ -50,8 +52,8 @@ class TwoWays:
         self.best: dict[int, str] = {}
         self.since: dict[int, int] = {}                 # steps of that size since the last try
         self.retry: dict[int, int] = {}
-        self.recent: list[tuple[int, float]] = []       # (size, seconds a unit) of the last steps taken the best way
-        self.trying: dict | None = None                 # size, steps left, base, units
+        self.recent: dict[int, list[float]] = {}        # seconds a unit of the last steps of a size, the best way
+        self.trying: dict[int, dict] = {}               # size -> steps left, base, units
         self.taken = {way: 0 for way in self.WAYS}
 
     def _other(self, size: int) -> str:
@@ -60,32 +62,31 @@ class TwoWays:
     def pick(self, work: int) -> str:
         size = max(1, work).bit_length()
         best = self.best.setdefault(size, self.WAYS[0])
-        if self.trying is not None:
-            if self.trying["size"] == size:
-                return self._other(size)
-            self.trying = None                          # the steps changed size under the try: no verdict
-        base = [u for s, u in self.recent if s == size]
+        if size in self.trying:
+            return self._other(size)
+        base = self.recent.get(size, [])
         if len(base) == self.BASE and self.since.get(size, 0) >= self.retry.setdefault(size, self.BASE):
-            self.trying = {"size": size, "left": self.TRY, "base": statistics.median(base), "units": []}
+            self.trying[size] = {"left": self.TRY, "base": statistics.median(base), "units": []}
             return self._other(size)
         return best
 
     def record(self, work: int, way: str, seconds: float) -> None:
         size, unit = max(1, work).bit_length(), seconds / max(1, work)
         self.taken[way] += 1
-        t = self.trying
-        if t is not None and t["size"] == size and way != self.best[size]:
+        t = self.trying.get(size)
+        if t is not None and way != self.best[size]:
             t["left"] -= 1
             if t["left"] < self.TRY - 1:
                 t["units"].append(unit)
             if t["left"] == 0:
-                self.trying, self.recent, self.since[size] = None, [], 0
+                del self.trying[size]
+                self.recent[size], self.since[size] = [], 0
                 if statistics.median(t["units"]) < t["base"]:
                     self.best[size], self.retry[size] = way, self.first_retry
                 else:
                     self.retry[size] = min(self.max_retry, max(self.first_retry, 2 * self.retry[size]))
             return
-        self.recent = (self.recent + [(size, unit)])[-self.BASE:]
+        self.recent[size] = (self.recent.get(size, []) + [unit])[-self.BASE:]
         self.since[size] = self.since.get(size, 0) + 1
 
 

@@ -164,6 +164,16 @@ def test_a_cpu_step_goes_the_way_that_measured_faster_and_tries_the_other_again(
     assert later[-100:].count("own") > 90                                 # taken over at the next try
     assert later[-100:].count("team") <= 2 * TwoWays.TRY                  # the loser is tried less and less
 
+    # sizes that interleave (a newcomer every other step, as under HTTP traffic) are each tried
+    mixed, cost = TwoWays(first_retry=4, max_retry=64), {"team": 1.0, "own": 2.0}
+    taken = {1000: [], 100000: []}
+    for i in range(200):
+        work = (1000, 100000)[i % 2]
+        way = mixed.pick(work)
+        mixed.record(work, way, cost[way] * work / 1000)
+        taken[work].append(way)
+    assert all(t[-50:].count("team") > 45 for t in taken.values())
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope"])
 def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
