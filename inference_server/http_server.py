@@ -7,6 +7,7 @@ the field named, anything else a logged 500.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -17,6 +18,7 @@ from dataclasses import asdict
 from typing import AsyncIterator, Awaitable, Callable
 
 import orjson
+import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -297,6 +299,9 @@ def create_app(engine: Engine, model_path: str, host: str = "127.0.0.1", api_key
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        if engine.device.type == "cpu":      # to_thread's threads (a load from disk): no OpenMP team of their
+            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(   # own
+                4, thread_name_prefix="riptide-io", initializer=torch.set_num_threads, initargs=(1,)))
         engine.start()
         for hook in app.state.on_startup:
             hook()
@@ -467,7 +472,8 @@ def _info_routes(app: FastAPI, server: Server, host: str) -> None:
                 "runner": type(engine.runner).__name__, "weight_version": str(engine.version),
                 "paused": engine.scheduler.paused, "num_running": running, "num_waiting": waiting,
                 "stats": asdict(engine.stats), "kv_tier": engine.tier_stats(),
-                "cached_prompt_tokens": engine.scheduler.cached_tokens, "preemptions": engine.scheduler.preemptions}
+                "cached_prompt_tokens": engine.scheduler.cached_tokens, "preemptions": engine.scheduler.preemptions,
+                "cpu_steps_by_way": dict(getattr(getattr(engine.runner, "ways", None), "taken", {}))}
 
     @app.get("/get_weight_version")
     async def get_weight_version():

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import torch
 import uvicorn
 
 from inference_server import weights
@@ -191,6 +192,14 @@ def main(argv: list[str] | None = None) -> None:
         mooncake = platform.mooncake(a.weight_sync_protocol, a.weight_sync_device)
     except ValueError as e:
         raise SystemExit(f"riptide-serve: {e}") from None
+    if platform.device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        # Only the engine's thread may hold an OpenMP team of more than one thread. A second team (this
+        # thread's, made while loading the weights) leaves libgomp managing more threads than there are
+        # cores, and it then parks a team's threads at once after each parallel region: every matmul of a
+        # step paid a wake-up (a bf16 8-row linear 170 us against 68; the vs_vllm workload at 366 tok/s
+        # against 521 with the same steps run where no second team existed). Loading on one thread costs
+        # about 0.5 s here.
+        torch.set_num_threads(1)
     try:
         engine = make_engine(a)
     except ValueError as e:
