@@ -1,5 +1,5 @@
-"""The CPU kernels: paged attention (`paged_attention.c`) and the decoder's fused elementwise steps
-(`fused_ops.c`), built once per machine with its C compiler into one library,
+"""The CPU kernels: paged attention (`paged_attention.c`), the decoder's fused elementwise steps
+(`fused_ops.c`) and its fp32 projections' matmul (`gemm.c`), built once per machine with its C compiler into one library,
 kept in a cache directory, loaded through ctypes. Where there is no compiler, or the build fails, or
 `RIPTIDE_PAGED_KERNEL=0`, `decode_kernel()` is None and the paged runner gathers blocks instead
 (same results, one more copy of the keys and values a step)."""
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("riptide.paged_kernel")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c", "gemm.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 # With OpenMP the kernels' threads are torch's own OpenMP team: the library's libgomp is the one torch
 # loaded (same soname, already in the process). Their own pthreads, made each call, ran beside torch's
@@ -93,7 +93,9 @@ def _load():
         log.warning("no C compiler: the paged KV cache gathers blocks for attention (slower)")
         return None
     try:
-        lib = _with_torchs_openmp(compiler) or ctypes.CDLL(str(_build(compiler)))
+        lib = _with_torchs_openmp(compiler)
+        openmp = lib is not None
+        lib = lib or ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         log.warning("paged-attention kernel not built (%s%s): the paged KV cache gathers blocks instead",
@@ -108,6 +110,12 @@ def _load():
     sample = lib.riptide_sample
     sample.argtypes, sample.restype = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], i32
     fns["sample"] = sample
+    if openmp:          # built without OpenMP it runs on one thread: oneDNN's then, on torch's team
+        sgemm = lib.riptide_sgemm_f32
+        sgemm.argtypes, sgemm.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32
+        x, w, y = torch.ones(1, 1), torch.ones(64, 1, 1), torch.empty(1, 64)     # built for this CPU (AVX-512)?
+        if sgemm(x.data_ptr(), 1, w.data_ptr(), None, y.data_ptr(), 64, 1, 64, 1, 1) == 0:
+            fns["sgemm"] = sgemm
     for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
         for name, argtypes in signatures.items():
             fn = getattr(lib, f"riptide_{name}_{suffix}")
@@ -130,6 +138,35 @@ def decode_kernel(device: torch.device | None = None, dtype: torch.dtype = torch
         return None
     fns = _fns()
     return None if fns is None else fns["paged_decode", dtype]
+
+
+def cpu_gemm():
+    """gemm.c's fp32 matmul (`sgemm`), or None (no compiler, the kernels built without OpenMP,
+    RIPTIDE_PAGED_KERNEL=0 or RIPTIDE_CPU_GEMM=0: oneDNN's matmul then)."""
+    if os.environ.get("RIPTIDE_CPU_GEMM", "1") == "0":
+        return None
+    fns = _fns()
+    return None if fns is None else fns.get("sgemm")
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (N a multiple of 64) as gemm.c reads it: [N / 64, K, 64], each 64 outputs' weights
+    a contiguous slab."""
+    n, k = w.shape
+    return w.reshape(n // 64, 64, k).transpose(1, 2).contiguous()
+
+
+def sgemm(fn, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [M, K] fp32 @ W^T (+ bias), W as `pack_panels` gave it: [M, N], or None where the kernel was
+    not built for it (the caller falls back). On torch's threads (torch.get_num_threads())."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = panels.shape[0] * 64
+    y = torch.empty(m, n, dtype=torch.float32)
+    rc = fn(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+            y.data_ptr(), n, m, n, k, torch.get_num_threads())
+    return y if rc == 0 else None
 
 
 class FusedOps:

@@ -282,3 +282,37 @@ def test_a_command_its_caller_gave_up_on_does_not_stop_the_engine(tiny_model):
         assert engine.running
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fp32_projections_on_the_cpu_kernel_equal_a_float64_matmul_as_closely_as_onednn(threads):
+    """gemm.c serves the fused path's fp32 projections whose outputs are a multiple of 64 (every row
+    count a decode step or a prefill has, biases as Qwen2's, rows of a wider tensor); its rounding is
+    no worse than oneDNN's fp32 matmul (F.linear), and other shapes take F.linear."""
+    import torch.nn.functional as F
+
+    from inference_server.model_runner import _Linear
+    from inference_server.paged_kernel import cpu_gemm
+    if cpu_gemm() is None:
+        pytest.skip("gemm.c not built here (no compiler, no AVX-512, or no OpenMP build): oneDNN serves")
+    torch.manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for out, k, bias in [(192, 64, True), (128, 320, False), (640, 96, False)]:
+            linears = [torch.nn.Linear(k, out // 2, bias=bias), torch.nn.Linear(k, out // 2, bias=bias)]   # stacked
+            lin = _Linear(linears, pack=True)
+            assert lin.panels is not None
+            w = torch.cat([m.weight for m in linears]).double()
+            b = torch.cat([m.bias for m in linears]).double() if bias else None
+            for rows in (1, 5, 6, 7, 12, 13, 64, 257, 600):
+                x = torch.randn(rows, 2 * k)[:, ::2]                  # a strided view: rows of a wider tensor
+                with torch.inference_mode():
+                    got, onednn = lin(x), F.linear(x, w.float(), None if b is None else b.float())
+                want = F.linear(x.double(), w, b)
+                assert got.shape == (rows, out) and got.dtype == torch.float32
+                scale = want.abs().max()
+                assert (got.double() - want).abs().max() / scale <= max(2 * (onednn.double() - want).abs().max() / scale, 1e-6)
+        assert _Linear([torch.nn.Linear(64, 100)], pack=True).panels is None      # 100 outputs: oneDNN's
+    finally:
+        torch.set_num_threads(before)
