@@ -1,5 +1,6 @@
-"""The CPU kernels: paged attention (`paged_attention.c`), the decoder's fused elementwise steps
-(`fused_ops.c`) and its fp32 projections' matmul (`gemm.c`), built once per machine with its C compiler into one library,
+"""The CPU kernels: paged attention (`paged_attention.c`), a prefill's causal attention
+(`prefill_attention.c`), the decoder's fused elementwise steps (`fused_ops.c`) and its fp32
+projections' matmul (`gemm.c`), built once per machine with its C compiler into one library,
 kept in a cache directory, loaded through ctypes. Where there is no compiler, or the build fails, or
 `RIPTIDE_PAGED_KERNEL=0`, `decode_kernel()` is None and the paged runner gathers blocks instead
 (same results, one more copy of the keys and values a step)."""
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("riptide.paged_kernel")
-SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "fused_ops.c", "gemm.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm.c")]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 # With OpenMP the kernels' threads are torch's own OpenMP team: the library's libgomp is the one torch
 # loaded (same soname, already in the process). Their own pthreads, made each call, ran beside torch's
@@ -110,6 +111,9 @@ def _load():
     sample = lib.riptide_sample
     sample.argtypes, sample.restype = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], i32
     fns["sample"] = sample
+    prefill = lib.riptide_prefill_attention_f32
+    prefill.argtypes, prefill.restype = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, f32, i32], i32
+    fns["prefill_attention"] = prefill
     if openmp:          # built without OpenMP it runs on one thread: oneDNN's then, on torch's team
         sgemm = lib.riptide_sgemm_f32
         sgemm.argtypes, sgemm.restype = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32
@@ -147,6 +151,28 @@ def cpu_gemm():
         return None
     fns = _fns()
     return None if fns is None else fns.get("sgemm")
+
+
+def prefill_kernel(dtype: torch.dtype):
+    """prefill_attention.c's causal attention for `dtype` (fp32 only), or None (another dtype, no
+    compiler, RIPTIDE_PAGED_KERNEL=0 or RIPTIDE_PREFILL_KERNEL=0: torch's SDPA then)."""
+    if dtype != torch.float32 or os.environ.get("RIPTIDE_PREFILL_KERNEL", "1") == "0":
+        return None
+    fns = _fns()
+    return None if fns is None else fns.get("prefill_attention")
+
+
+def prefill_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    """out = causal attention of q ([n, heads, head_dim]) over k, v ([n, kv_heads, head_dim]), rows
+    of each any stride apart (views of the stacked q/k/v projection); False where the kernel was not
+    built for the sizes (head_dim 64, up to 4 query heads a KV head, AVX-512): nothing written then."""
+    n, heads, hd = q.shape
+    kvh = k.shape[1]
+    if n == 0 or any(t.stride(2) != 1 or t.stride(1) != hd or t.dtype != torch.float32 for t in (q, k, v, out)):
+        return False
+    kt = torch.empty(kvh * hd * (-(-n // 16) * 16), dtype=torch.float32)
+    return fn(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+              out.stride(0), kt.data_ptr(), n, kvh, heads // kvh, hd, scale, torch.get_num_threads()) == 0
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:

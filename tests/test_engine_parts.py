@@ -175,7 +175,7 @@ def test_a_cpu_step_goes_the_way_that_measured_faster_and_tries_the_other_again(
     assert all(t[-50:].count("team") > 45 for t in taken.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope", "llama_head_dim_64"])
 def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
     """The fast path runs each family's own modules (its rotary_emb with llama3 scaling, Qwen3's q/k
     norms) around its own attention and KV cache: prefill and decode logits equal the model's forward."""
@@ -189,7 +189,9 @@ def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
            "mistral": lambda: MistralConfig(**common, sliding_window=None),
            "llama3_rope": lambda: LlamaConfig(**common, rope_scaling={
                "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64})}[family]()
+               "original_max_position_embeddings": 64}),
+           # head_dim 64, 2 query heads a KV head: the sizes prefill_attention.c is built for
+           "llama_head_dim_64": lambda: LlamaConfig(**(common | dict(hidden_size=256, intermediate_size=256)))}[family]()
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -316,3 +318,32 @@ def test_fp32_projections_on_the_cpu_kernel_equal_a_float64_matmul_as_closely_as
         assert _Linear([torch.nn.Linear(64, 100)], pack=True).panels is None      # 100 outputs: oneDNN's
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_the_prefill_attention_kernel_equals_causal_attention_in_float64(group):
+    """prefill_attention.c (fp32 prefills, head_dim 64): each position attends over itself and the
+    positions before it, for 1-4 query heads a KV head and lengths around its tiles (4) and key blocks
+    (16), q, k and v as views of one stacked projection; sizes it was not built for are refused."""
+    import torch.nn.functional as F
+
+    from inference_server.paged_kernel import prefill_attention, prefill_kernel
+    fn = prefill_kernel(torch.float32)
+    if fn is None:
+        pytest.skip("the kernels were not built here (no compiler)")
+    torch.manual_seed(group)
+    kvh, d = 2, 64
+    heads = kvh * group
+    for n in (1, 3, 4, 5, 15, 16, 17, 33, 130):
+        qkv = torch.randn(n, (heads + 2 * kvh) * d) * 2
+        q = qkv[:, :heads * d].view(n, heads, d)
+        k = qkv[:, heads * d:(heads + kvh) * d].view(n, kvh, d)
+        v = qkv[:, (heads + kvh) * d:].view(n, kvh, d)
+        out = torch.empty(n, heads, d)
+        if not prefill_attention(fn, q, k, v, out, 0.125):
+            pytest.skip("prefill_attention.c not built for this CPU (no AVX-512): SDPA serves")
+        want = F.scaled_dot_product_attention(*(t.double().transpose(0, 1)[None] for t in (q, k, v)), is_causal=True,
+                                              scale=0.125, enable_gqa=True)[0].transpose(0, 1)
+        assert (out.double() - want).abs().max() < 5e-5, n
+    big = torch.randn(8, 2, 128)
+    assert not prefill_attention(fn, big, big[:, :1], big[:, :1], torch.empty(8, 2, 128), 0.1)   # head_dim 128
