@@ -119,6 +119,20 @@ static inline float bf16_to_f32(uint16_t x) {
     return u.f;
 }
 
+/* This step's keys and values into their blocks, one copy a (token, KV head): token i's rows of
+ * k and v (head h at h * head_bytes from k + src[i] * k_row) go to pool rows base[i] + h * block_size
+ * of kf and vf (head_bytes apart): what two index_select and two index_copy_ a layer did. */
+int riptide_kv_write(const char *k, int64_t k_row, const char *v, int64_t v_row, const int64_t *src, const int64_t *base,
+                     int64_t n, int kv_heads, int64_t head_bytes, int64_t block_size, char *kf, char *vf) {
+    for (int64_t i = 0; i < n; i++)
+        for (int h = 0; h < kv_heads; h++) {
+            const int64_t to = (base[i] + h * block_size) * head_bytes, from = h * head_bytes;
+            memcpy(kf + to, k + src[i] * k_row + from, head_bytes);
+            memcpy(vf + to, v + src[i] * v_row + from, head_bytes);
+        }
+    return 0;
+}
+
 #define CAT_(a, b) a##_##b
 #define CAT(a, b) CAT_(a, b)
 #define NAME(x) CAT(x, SUF)

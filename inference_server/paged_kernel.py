@@ -111,6 +111,9 @@ def _load():
     sample = lib.riptide_sample
     sample.argtypes, sample.restype = [ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32], i32
     fns["sample"] = sample
+    kv_write = lib.riptide_kv_write
+    kv_write.argtypes, kv_write.restype = [ptr, i64, ptr, i64, ptr, ptr, i64, i32, i64, i64, ptr, ptr], i32
+    fns["kv_write"] = kv_write
     prefill = lib.riptide_prefill_attention_f32
     prefill.argtypes, prefill.restype = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, i64, i32, i32, i32, f32, i32], i32
     fns["prefill_attention"] = prefill
@@ -151,6 +154,27 @@ def cpu_gemm():
         return None
     fns = _fns()
     return None if fns is None else fns.get("sgemm")
+
+
+def kv_writer():
+    """paged_attention.c's `riptide_kv_write` (or None: no compiler, RIPTIDE_PAGED_KERNEL=0)."""
+    fns = _fns()
+    return None if fns is None else fns["kv_write"]
+
+
+def write_kv(fn, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, base: torch.Tensor, kp: torch.Tensor,
+             vp: torch.Tensor) -> bool:
+    """Token src[i]'s keys and values (k, v: [tokens, kv_heads, head_dim], rows any stride apart) into
+    the pages kp, vp ([blocks, kv_heads, block_size, head_dim], contiguous) at flat row base[i] of KV
+    head 0 (head h at base[i] + h * block_size). False where the layouts do not fit (nothing written)."""
+    _, kvh, hd = k.shape
+    if (k.stride(2) != 1 or k.stride(1) != hd or v.stride(2) != 1 or v.stride(1) != hd or k.dtype != kp.dtype
+            or v.dtype != vp.dtype or not (kp.is_contiguous() and vp.is_contiguous()) or kp.shape[1] != kvh):
+        return False
+    size = k.element_size()
+    fn(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, src.data_ptr(), base.data_ptr(), src.numel(),
+       kvh, hd * size, kp.shape[2], kp.data_ptr(), vp.data_ptr())
+    return True
 
 
 def prefill_kernel(dtype: torch.dtype):

@@ -84,7 +84,8 @@ def test_paged_gives_the_contiguous_caches_tokens_and_logprobs_on_mixed_batches(
         if layout == "paged":
             assert e.runner.kernel is not None             # decode attention read in place (paged_attention.c)
         if "," in layout:
-            e.runner.kernel = None                         # the fallback: blocks gathered into a workspace
+            e.runner.kernel = None                         # the fallback: blocks gathered into a workspace,
+            e.runner.kv_writer = None                      # keys and values written by index_copy_
         if layout.endswith("workspace"):
             e.runner.workspace_positions = 40              # a chunk of rows gathered in several calls
         waves = workload(0)
