@@ -19,12 +19,18 @@ import torch  # noqa: E402
 from inference_server.process import VllmProcess  # noqa: E402
 
 
+# The module's four servers run eagerly: each compiles its model otherwise (about 50 CPU-seconds a
+# server here, four at once). The GRPO job and the Ray-actor fleet below run vLLM as it comes (its
+# compiled graph), and their pushes must reach what that graph reads.
+EAGER = ["--enforce-eager"]
+
+
 def vllm_serve(model: Path, log_path: Path) -> VllmProcess:
     """An unmodified `vllm serve` on a free loopback port with Riptide's plugin and middleware: its RL
     endpoints on (VLLM_SERVER_DEV_MODE=1, as verl and slime run it), Riptide's server protocol on its
     own URL; stopped, process group and all, on exit."""
     return VllmProcess(model, max_num_seqs=8, max_model_len=256, dtype="float32", log_path=log_path,
-                       args=["--served-model-name", "tiny"])
+                       args=["--served-model-name", "tiny", *EAGER])
 
 
 def tiny(root: Path, seed: int) -> Path:
@@ -47,7 +53,7 @@ def fleet(tmp_path_factory):
     with contextlib.ExitStack() as stack:
         servers = [vllm_serve(v1, root / "a.log"), vllm_serve(v1, root / "b.log"), vllm_serve(v2, root / "reference.log"),
                    VllmProcess(bare, max_num_seqs=8, max_model_len=256, dtype="float32", no_weights=True,
-                               log_path=root / "cold.log")]
+                               log_path=root / "cold.log", args=EAGER)]
         for server in servers:
             stack.callback(server.stop)
             server.spawn()
@@ -313,7 +319,7 @@ def test_a_vllm_server_added_to_a_fleet_starts_without_weights_and_takes_a_peers
     version = int(httpx.get(f"{peer}/get_weight_version").json()["weight_version"])
     cfg = BackendConfig(str(fleet["v1"]), rollout=RolloutConfig(max_new_tokens=12),
                         server=ServerConfig(engine="vllm", urls=[peer], context_length=256, dtype="float32",
-                                            max_running_requests=8))
+                                            max_running_requests=8, vllm_args=EAGER))
     params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     with RolloutBackend(cfg) as backend:
         backend.start(version=version, manager=False)
