@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_neg.h"
+
 #define MAX_THREADS 64
 
 static inline float bf16_in(uint16_t x) {
@@ -32,22 +34,6 @@ static inline uint16_t bf16_out(float f) {
 
 static inline float f32_in(float x) { return x; }
 static inline float f32_out(float x) { return x; }
-
-/* e^x for x <= 0: 2^n * 2^f, 2^f a degree-6 polynomial on [0, 1) (relative error ~2e-7) */
-static inline float exp_le0(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float t = x * 1.44269504088896341f, n = floorf(t), f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { int32_t i; float f; } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
-}
 
 /* rows [r0, r1) of a job, on some thread */
 typedef struct {
@@ -89,27 +75,11 @@ static void parallel_rows(void (*fn)(const void *, int64_t, int64_t), const void
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-/* e^x for x <= 0, 16 lanes: exp_le0's polynomial, 2^n applied by scalef */
-static inline __m512 exp_le0_16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, k);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
-
 /* x * sigmoid(x) * u, 16 lanes */
 static inline __m512 silu_mul16(__m512 x, __m512 u) {
     const __m512 one = _mm512_set1_ps(1.f);
     const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 e = exp_le0_16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x));  /* e^-|x| */
+    const __m512 e = exp_neg16(_mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_setzero_ps(), x), x));  /* e^-|x| */
     const __m512 num = _mm512_mask_blend_ps(neg, one, e);
     const __m512 s = _mm512_div_ps(num, _mm512_add_ps(one, e));
     return _mm512_mul_ps(_mm512_mul_ps(x, s), u);
@@ -170,11 +140,11 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
         __m512 sum16 = _mm512_setzero_ps();
         for (; i + 16 <= V; i += 16) {
             const __m512 v = _mm512_loadu_ps(x + i);
-            sum16 = _mm512_add_ps(sum16, exp_le0_16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv)));
+            sum16 = _mm512_add_ps(sum16, exp_neg16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv)));
         }
         total = _mm512_reduce_add_ps(sum16);
 #endif
-        for (int64_t k = i; k < V; k++) total += exp_le0(scaled_at(x, k, t) - mx);
+        for (int64_t k = i; k < V; k++) total += exp_neg(scaled_at(x, k, t) - mx);
         int64_t token = -1;
         if (a->u == NULL || t == 0.f) {
             for (int64_t k = 0; k < V && token < 0; k++)
@@ -186,7 +156,7 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
 #if HAVE16
                 if (k % 16 == 0 && k + 16 <= V) {    /* a whole 16 that the running sum does not pass: skip it */
                     const __m512 v = _mm512_loadu_ps(x + k);
-                    const __m512 e = exp_le0_16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv));
+                    const __m512 e = exp_neg16(_mm512_sub_ps(divide ? _mm512_div_ps(v, tv) : v, mv));
                     const float h = _mm512_reduce_add_ps(e);
                     if (acc + h <= target) {
                         acc += h;
@@ -195,12 +165,12 @@ static void sample_rows(const void *a_, int64_t r0, int64_t r1) {
                     }
                 }
 #endif
-                const float e = exp_le0(scaled_at(x, k, t) - mx);
+                const float e = exp_neg(scaled_at(x, k, t) - mx);
                 acc += e;
                 if (acc > target) token = k;
             }
             if (token < 0) token = V - 1;        /* the running sum fell short of u * total by rounding
-                                                    (torch's path clamps the same way); exp_le0 is never 0 */
+                                                    (torch's path clamps the same way); exp_neg is never 0 */
         }
         a->tokens[r] = token;
         a->shift[r] = mx;
@@ -307,7 +277,7 @@ static void NAME(silu_rows)(const void *a_, int64_t r0, int64_t r1) {
         for (; i0 + 16 <= I; i0 += 16) STORE16(o + i0, silu_mul16(LOAD16(g + i0), LOAD16(u + i0)));
 #endif
         for (int64_t i = i0; i < I; i++) {
-            const float x = IN(g[i]), e = exp_le0(x < 0.f ? x : -x);     /* e^-|x| */
+            const float x = IN(g[i]), e = exp_neg(x < 0.f ? x : -x);     /* e^-|x| */
             const float s = x < 0.f ? e / (1.f + e) : 1.f / (1.f + e);  /* sigmoid(x) */
             o[i] = OUT(x * s * IN(u[i]));
         }

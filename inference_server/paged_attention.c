@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_neg.h"
+
 #define MAX_GROUP 64
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCK 256
@@ -57,24 +59,12 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* e^(s[t] - mx) in place for t < n (n a multiple of 16), returning their sum: exp_neg's
- * polynomial, 16 at a time, 2^n applied by scalef */
+/* e^(s[t] - mx) in place for t < n (n a multiple of 16), returning their sum */
 static inline float exp_sum16(float *s, int n, float mx) {
-    const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(-87.f), l2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 m = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < n; t += 16) {
-        const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m), lo);
-        const __m512 y = _mm512_mul_ps(x, l2e);
-        const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_sub_ps(y, k);
-        __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-        p = _mm512_scalef_ps(p, k);
+        const __m512 p = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
         _mm512_storeu_ps(s + t, p);
         sum = _mm512_add_ps(sum, p);
     }
@@ -95,23 +85,6 @@ static inline float max16(const float *s, int n, float mx) {
 static inline float exp_sum16(float *s, int n, float mx) { (void)s, (void)n, (void)mx; return 0.f; }
 static inline float max16(const float *s, int n, float mx) { (void)s, (void)n; return mx; }
 #endif
-
-/* e^x for x <= 0 (softmax after its max is taken away), vectorisable: x = n ln2 + f ln2, e^x =
- * 2^n * 2^f with 2^f a degree-6 polynomial on [0, 1) (relative error ~2e-7). */
-static inline float exp_neg(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float t = x * 1.44269504088896341f, n = floorf(t), f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { int32_t i; float f; } u;
-    u.i = ((int32_t)n + 127) << 23;
-    return p * u.f;
-}
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t i; float f; } u;

@@ -21,6 +21,7 @@ import torch
 
 log = logging.getLogger("riptide.paged_kernel")
 SOURCES = [Path(__file__).with_name(n) for n in ("paged_attention.c", "prefill_attention.c", "fused_ops.c", "gemm.c")]
+HEADERS = [Path(__file__).with_name("exp_neg.h")]       # included by the sources: part of the build's key
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
 # With OpenMP the kernels' threads are torch's own OpenMP team: the library's libgomp is the one torch
 # loaded (same soname, already in the process). Their own pthreads, made each call, ran beside torch's
@@ -48,7 +49,7 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str, flags: list[str] = FLAGS) -> Path:
-    src = b"".join(s.read_bytes() for s in SOURCES)
+    src = b"".join(s.read_bytes() for s in SOURCES + HEADERS)
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_key().encode() + compiler.encode()).hexdigest()[:16]
     out = _cache_dir() / f"riptide_kernels-{key}.so"
     if out.exists():

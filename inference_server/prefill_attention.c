@@ -16,26 +16,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_neg.h"
+
 #define TILE 4
 #define MAXQ 16
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
-
-static inline __m512 exp512(__m512 x) {       /* e^x, x <= 0 */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 k = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(y, k);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, k);
-}
 
 /* one tile: positions i0 .. i0 + ti - 1, the `group` query heads of KV head h */
 static inline __attribute__((always_inline)) void tile_(const float *q, int64_t q_row, const float *kt, int64_t npad,
@@ -67,7 +54,7 @@ static inline __attribute__((always_inline)) void tile_(const float *q, int64_t 
             const __mmask16 seen = lim >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << lim) - 1u);
             const __m512 sr = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(s[r], _mm512_set1_ps(scale)));
             const float mx = fmaxf(m[r], _mm512_reduce_max_ps(sr));
-            const __m512 pr = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(sr, _mm512_set1_ps(mx))));
+            const __m512 pr = _mm512_maskz_mov_ps(seen, exp_neg16(_mm512_sub_ps(sr, _mm512_set1_ps(mx))));
             _mm512_store_ps(p[r], pr);
             corr[r] = m[r] == -INFINITY ? 0.f : expf(m[r] - mx);
             l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(pr);

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class ServerActor:
         weights: a live peer (--weights-from-peer) or the trainer's next push brings them."""
         host = host or ray.util.get_node_ip_address()
         model_path, cold = model_here(model_path, files, host, "--weights-from-peer" in args or pushed)
+        self.local = model_path if cold else None       # written here: removed with the server
         if cold:
             if "--weights-from-peer" not in args:
                 args = args + ["--no-weights"]
@@ -104,6 +106,7 @@ class ServerActor:
         when `peer` gives them (its push_to, once this one is up)."""
         host = host or ray.util.get_node_ip_address()
         model_path, cold = model_here(model_path, files, host, bool(peer) or pushed)
+        self.local = model_path if cold else None
         port = free_port(host)
         self.server = VllmProcess(model_path, python=server.vllm_interpreter(), version=version,
                                   max_num_seqs=server.max_running_requests, max_model_len=server.context_length,
@@ -122,7 +125,13 @@ class ServerActor:
                 "pid": self.server.proc.pid, "cold": cold}
 
     def kill(self) -> None:
-        self.server.kill()
+        """Stop the server, and remove the model directory this host wrote for it (config and tokenizer)."""
+        try:
+            if hasattr(self, "server"):
+                self.server.kill()
+        finally:
+            if getattr(self, "local", None):
+                shutil.rmtree(self.local, ignore_errors=True)
 
 
 class RolloutActor:
