@@ -24,7 +24,10 @@
  * K_BLOCK + K / K_BLOCK terms, not K) */
 static inline __attribute__((always_inline)) void mk(const int R, const float *x, int64_t ldx, const float *w,
                                                       int64_t K, float *y, int64_t ldy, const float *bias,
-                                                      const float *next) {
+                                                      const char *next, int64_t next_lines) {
+    /* next_lines cache lines from `next` into L2, spread evenly over this call's K steps (a running
+       remainder, no division a step) */
+    int64_t owed = 0;
     for (int64_t k0 = 0; k0 < K; k0 += K_BLOCK) {
         const int64_t k1 = K - k0 < K_BLOCK ? K : k0 + K_BLOCK;
         __m512 a[6][4];
@@ -33,8 +36,7 @@ static inline __attribute__((always_inline)) void mk(const int R, const float *x
         for (int64_t k = k0; k < k1; k++) {
             const float *wk = w + k * 64;
             for (int c = 0; c < 64; c += 16) _mm_prefetch((const char *)(wk + 64 * 16 + c), _MM_HINT_T0);
-            if (next)
-                for (int c = 0; c < 64; c += 16) _mm_prefetch((const char *)(next + k * 64 + c), _MM_HINT_T1);
+            for (owed += next_lines; owed >= K; owed -= K, next += 64) _mm_prefetch(next, _MM_HINT_T1);
             const __m512 b0 = _mm512_loadu_ps(wk), b1 = _mm512_loadu_ps(wk + 16);
             const __m512 b2 = _mm512_loadu_ps(wk + 32), b3 = _mm512_loadu_ps(wk + 48);
             for (int r = 0; r < R; r++) {
@@ -54,18 +56,28 @@ static inline __attribute__((always_inline)) void mk(const int R, const float *x
     }
 }
 
-/* rows [0, M) of x through one panel; `next` (the next panel, or NULL) prefetched by the first 6 */
+/* rows [0, M) of x through one panel (K rows of 64), while the next panel (or NULL) comes into L2: its
+ * lines dealt evenly to the row groups, so that memory streams it during all of this panel's arithmetic
+ * (fetched in the first group alone, the next panel's read and this one's sums took turns) */
 static void panel_rows(const float *x, int64_t ldx, const float *w, int64_t K, float *y, int64_t ldy,
                        const float *bias, int64_t M, const float *next) {
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6, next = 0) mk(6, x + m * ldx, ldx, w, K, y + m * ldy, ldy, bias, next);
+    const int64_t groups = (M + 5) / 6, lines = next ? K * 4 : 0;        /* 64 floats a k: 4 lines */
+    int64_t m = 0, g = 0;
+    const char *nx = (const char *)next;
+#define SHARE(g) (lines * ((g) + 1) / groups - lines * (g) / groups)
+    for (; m + 6 <= M; m += 6, g++) {
+        mk(6, x + m * ldx, ldx, w, K, y + m * ldy, ldy, bias, nx, SHARE(g));
+        nx += 64 * SHARE(g);
+    }
     x += m * ldx, y += m * ldy;
+    const int64_t last = g < groups ? SHARE(g) : 0;
+#undef SHARE
     switch (M - m) {
-    case 5: mk(5, x, ldx, w, K, y, ldy, bias, next); break;
-    case 4: mk(4, x, ldx, w, K, y, ldy, bias, next); break;
-    case 3: mk(3, x, ldx, w, K, y, ldy, bias, next); break;
-    case 2: mk(2, x, ldx, w, K, y, ldy, bias, next); break;
-    case 1: mk(1, x, ldx, w, K, y, ldy, bias, next); break;
+    case 5: mk(5, x, ldx, w, K, y, ldy, bias, nx, last); break;
+    case 4: mk(4, x, ldx, w, K, y, ldy, bias, nx, last); break;
+    case 3: mk(3, x, ldx, w, K, y, ldy, bias, nx, last); break;
+    case 2: mk(2, x, ldx, w, K, y, ldy, bias, nx, last); break;
+    case 1: mk(1, x, ldx, w, K, y, ldy, bias, nx, last); break;
     default: break;
     }
 }
