@@ -59,13 +59,20 @@ static inline __m512 sum16(const __m512 *v) {
                          _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* e^(s[t] - mx) in place for t < n (n a multiple of 16), returning their sum */
+/* lanes t0 .. n - 1 of a 16-lane run at t0 (all 16 when n - t0 >= 16) */
+static inline __mmask16 lanes16(int t0, int n) {
+    return n - t0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t0)) - 1u);
+}
+
+/* e^(s[t] - mx) in place for t < n, returning their sum (a last run of fewer than 16 masked: what
+ * lies past n is never read) */
 static inline float exp_sum16(float *s, int n, float mx) {
     const __m512 m = _mm512_set1_ps(mx);
     __m512 sum = _mm512_setzero_ps();
     for (int t = 0; t < n; t += 16) {
-        const __m512 p = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
-        _mm512_storeu_ps(s + t, p);
+        const __mmask16 k = lanes16(t, n);
+        const __m512 p = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m)));
+        _mm512_mask_storeu_ps(s + t, k, p);
         sum = _mm512_add_ps(sum, p);
     }
     return _mm512_reduce_add_ps(sum);
@@ -73,14 +80,16 @@ static inline float exp_sum16(float *s, int n, float mx) {
 
 static inline float max16(const float *s, int n, float mx) {
     __m512 m = _mm512_set1_ps(mx);
-    for (int t = 0; t < n; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+    for (int t = 0; t < n; t += 16) m = _mm512_mask_max_ps(m, lanes16(t, n), m, _mm512_maskz_loadu_ps(lanes16(t, n), s + t));
     return _mm512_reduce_max_ps(m);
 }
 
+/* a block's keys 16 at a time; a last run of fewer than 16 too where the block has room for 16 (its
+ * scores past n are of whatever those rows hold, and never used); then softmax and values vectorised */
 #define DOTS16(D) ((D) % 16 == 0)
-#define VEC16(D, n) ((D) % 64 == 0 && (n) % 16 == 0)
+#define VEC16(D, n, BS) ((D) % 64 == 0 && ((n) % 16 == 0 || (BS) % 16 == 0))
 #else
-#define VEC16(D, n) 0
+#define VEC16(D, n, BS) 0
 #define DOTS16(D) 0
 static inline float exp_sum16(float *s, int n, float mx) { (void)s, (void)n, (void)mx; return 0.f; }
 static inline float max16(const float *s, int n, float mx) { (void)s, (void)n; return mx; }
@@ -235,7 +244,7 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
             const char *kn = (const char *)((const KV_T *)j->kp + ahead * BS * D), *vn = (const char *)((const KV_T *)j->vp + ahead * BS * D); \
             int t0 = 0;                                                                             \
             if (DOTS16(D))                                                                          \
-                for (; t0 + 16 <= n; t0 += 16) {                                                    \
+                for (; t0 < n && t0 + 16 <= BS; t0 += 16) {                                         \
                     /* the next block's same keys and values (this one's on the last), while these run */ \
                     for (int c = 0; c < 16 * D * (int)sizeof(KV_T); c += 64) {                                      \
                         __builtin_prefetch(kn + t0 * D * sizeof(KV_T) + c);                                    \
@@ -259,7 +268,7 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
                     for (int i = 0; i < D; i++) d += qg[i] * SCALAR(kt[i]);                                 \
                     s[g * BS + t] = d * j->scale;                                                   \
                 }                                                                                   \
-            if (VEC16(D, n) && D == 64 && G <= 4) {                                                 \
+            if (VEC16(D, n, BS) && D == 64 && G <= 4) {                                                 \
                 float corr[4];                                                                      \
                 for (int g = 0; g < G; g++) {                                                       \
                     float *sg = s + g * BS;                                                         \
@@ -272,7 +281,7 @@ static inline void NAME(pv64)(float *acc, const float *p, const KV_T *v, int n, 
             }                                                                                       \
             for (int g = 0; g < G; g++) {                                                           \
                 float *sg = s + g * BS, mx = m[g], sum = 0.f;                                       \
-                if (VEC16(D, n)) {                                                                  \
+                if (VEC16(D, n, BS)) {                                                                  \
                     mx = max16(sg, n, mx);                                                          \
                     sum = exp_sum16(sg, n, mx);                                                     \
                     const float corr = m[g] == -INFINITY ? 0.f : exp_neg(m[g] - mx);                \

@@ -199,11 +199,13 @@ def test_the_block_allocator_refuses_what_would_corrupt_it():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (128, 1, 32), (40, 4, 8)])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (64, 3, 128), (128, 1, 32), (40, 4, 8)])
 def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, group, block_size, dtype):
     """paged_attention.c against SDPA over each row's blocks gathered in order: ragged rows (one
     position, a partial last block, exactly full blocks), blocks in any order, one and three threads;
-    fp32 and bf16 pages (a bf16 server's cache: the same fp32 arithmetic on the bf16 values)."""
+    fp32 and bf16 pages (a bf16 server's cache: the same fp32 arithmetic on the bf16 values). The
+    positions of a last block past a row's length hold NaN (a freed block's leftovers may be anything):
+    none of it reaches the output."""
     from inference_server.paged_kernel import decode_kernel, paged_decode
     fn = decode_kernel(dtype=dtype)
     assert fn is not None, "the C kernel did not build (a C compiler is part of `make setup`)"
@@ -212,6 +214,10 @@ def test_the_in_place_kernel_attends_as_sdpa_over_gathered_blocks(head_dim, grou
     most = int(-(-lens.max() // block_size))
     kp, vp = (torch.randn(len(lens) * most + 3, kv_heads, block_size, head_dim, generator=g).to(dtype) for _ in range(2))
     table = torch.randperm(kp.shape[0], generator=g)[:len(lens) * most].view(len(lens), most).contiguous()
+    for r, n in enumerate(lens.tolist()):
+        if n % block_size:
+            for p in (kp, vp):
+                p[table[r, n // block_size], :, n % block_size:] = float("nan")
     q = torch.randn(len(lens), kv_heads * group, head_dim, generator=g).to(dtype)
     want = torch.empty(q.shape)
     for r, n in enumerate(lens.tolist()):
