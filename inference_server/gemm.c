@@ -8,7 +8,7 @@
  *
  * The micro-kernel: 6 rows x 64 columns of y in 24 AVX-512 registers, over k one broadcast of x and
  * one [64] row of the panel at a time. Each panel is read from memory once a block of rows (the
- * first rows' pass prefetches the next panel into L2), then from L2 for the block's other rows.
+ * next panel comes into L2 during all of this one's row groups), then from L2 for the block's other rows.
  * Sums run in fp32 over blocks of K_BLOCK k's, then across the blocks (the same terms as any fp32
  * matmul, in another order; the two levels keep its rounding near oneDNN's).
  */
