@@ -19,9 +19,10 @@ import torch  # noqa: E402
 from inference_server.process import VllmProcess  # noqa: E402
 
 
-# The module's four servers run eagerly: each compiles its model otherwise (about 50 CPU-seconds a
-# server here, four at once). The GRPO job and the Ray-actor fleet below run vLLM as it comes (its
-# compiled graph), and their pushes must reach what that graph reads.
+# The module's four servers and the GRPO job's run eagerly: each compiles its model otherwise (about
+# 50 CPU-seconds a server here, never cached between runs: the cache is keyed by model path). The
+# Ray-actor fleet below runs vLLM as it comes (its compiled graph): each pushed version's greedy
+# logprobs there are that version's, so its pushes reach what the compiled graph reads.
 EAGER = ["--enforce-eager"]
 
 
@@ -213,7 +214,7 @@ def test_a_grpo_job_on_vllm_servers_learns_and_stops_them(tmp_path):
     import json
 
     from test_trainer_bridge import SHORT, last_json, rose, servers_of, train
-    proc = train(tmp_path, *SHORT, "server=vllm", timeout=900)
+    proc = train(tmp_path, *SHORT, "server=vllm", f"server.vllm_args=[{EAGER[0]}]", timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert last_json(proc.stdout)["steps"] == 50 and [r["step"] for r in lines] == list(range(50))
