@@ -702,7 +702,7 @@ def test_a_frozen_server_is_marked_down_and_its_requests_move(tiny_model, tokeni
                 await asyncio.sleep(0.05)
             os.kill(a.proc.pid, signal.SIGSTOP)
             try:
-                batches = [await asyncio.wait_for(m.next_batch(), 120) for _ in range(2)]
+                batches = [await asyncio.wait_for(m.next_batch(), 120) for _ in range(3)]
                 down = dict(m.router.down)
             finally:
                 os.kill(a.proc.pid, signal.SIGCONT)
