@@ -290,21 +290,11 @@ class StoreMaster:
         import subprocess
         from pathlib import Path
 
-        def free(n: int) -> list[int]:
-            """n distinct free ports: each socket held until all are chosen (one bound and closed at a
-            time, the kernel can hand out the same port twice: a CI run gave the master its RPC port as
-            its metrics port, and its admin server's bind on it shut the master down)."""
-            socks = [socket.socket() for _ in range(n)]
-            try:
-                for s in socks:
-                    s.bind((self.host, 0))
-                return [s.getsockname()[1] for s in socks]
-            finally:
-                for s in socks:
-                    s.close()
         import mooncake
+
+        from platforms.process import free_ports
         binary = shutil.which("mooncake_master") or str(Path(mooncake.__file__).parent / "mooncake_master")
-        self.rpc, self.http, metrics = free(3)
+        self.rpc, self.http, metrics = free_ports(3, self.host)
         log = open(self.log_path or os.devnull, "w")
         self.proc = subprocess.Popen(preexec_fn=_die_with_parent, args=[binary, f"--rpc_port={self.rpc}", f"--rpc_address={self.host}",
                                       "--enable_http_metadata_server=true", f"--http_metadata_server_host={self.host}",

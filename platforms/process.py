@@ -28,6 +28,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free ports: every socket held until all are chosen (bound and closed one at a time,
+    the kernel can hand out the same port twice: a CI run gave the Store master its RPC port as its
+    metrics port, and its admin server's bind on it shut the master down)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def watch_parent(pid: int) -> None:
     """Die at once when the process that launched this one is gone (its node lost, or killed):
     a process nobody manages must not go on (a server must not serve, not even the

@@ -21,9 +21,9 @@ GROUP = 8
 @pytest.fixture(scope="module")
 def soak(tmp_path_factory):
     """A job (2 servers) with a fault every ~4 s until 6 have landed (the six kinds come from a
-    shuffled deck, a kind with no target now stays on top, so each lands once), then stopped and run TAIL steps past its last
-    checkpoint without faults. Time-driven: however fast the job runs, every fault lands on it (a
-    fixed 120-step job once finished before the eighth)."""
+    shuffled deck, and a kind with no target stays on top, so each kind lands once), then stopped and
+    run TAIL steps past its last checkpoint without faults. Time-driven: however fast the job runs,
+    every fault lands on it (a fixed 120-step job once finished before its last fault)."""
     root = tmp_path_factory.mktemp("chaos")
     cfg = SoakConfig(run_dir=str(root / "run"), steps=None, tail_steps=TAIL, seed=3, fault_window_s=600.0,
                      mean_gap_s=4.0, max_faults=6,
