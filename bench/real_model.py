@@ -7,6 +7,12 @@ validation (greedy, before the first step and after the last). Ends with one JSO
 
     peak_rss_server_gb, peak_rss_trainer_gb, peak_rss_rollout_gb, peak_rss_sum_gb (the worst seed's),
     step_s_median, gen_tok_s, train_tok_s (medians over the steps of every run; step_s_median_per_run),
+    train_s_median, wait_s_median, sync_s_median (a step's parts: the trainer's update, its wait for the
+    batch, the push; medians over the steps), engine_tok_s (per run: tokens the servers generated over
+    the seconds they spent in engine steps, read from their /metrics every 2 s: the engine's own rate
+    inside the job, whatever paces the job), server_busy_fraction (those seconds over the job's time
+    from the servers' first step to their last scrape), server_tokens_per_step (tokens generated over
+    engine steps: the rows a step decodes, on average), server_prompt_tokens, server_gen_tokens,
     heldout_acc_before, heldout_acc_after (per seed lists, and the deltas),
     logprob_abs_diff_mean (rollout_corr/, the median step), killed (any process killed), minutes
 
@@ -27,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,6 +105,69 @@ class PeakWatch:
         return by_role
 
 
+def server_port(pid: int) -> int | None:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    return next((int(b) for a, b in zip(argv, argv[1:]) if a == b"--port" and b.isdigit()), None)
+
+
+COUNTERS = {"riptide_generation_tokens_total": "gen_tokens", "riptide_prompt_tokens_total": "prompt_tokens",
+            "riptide_engine_busy_seconds_total": "busy_s", "riptide_engine_steps_total": "steps",
+            "riptide_num_running_reqs": "running", "riptide_cpu_team_steps_total": "team_steps",
+            "riptide_cpu_team_stalls_total": "team_stalls"}
+
+
+class ServerWatch:
+    """Each server's engine counters (tokens generated, seconds in engine steps), scraped from its
+    /metrics every `period` seconds; the last scrape of each server counts (they stop with the job)."""
+
+    def __init__(self, root: int, period: float = 2.0):
+        self.root, self.period, self.last, self.first_busy = root, period, {}, {}
+        self.series: list[dict] = []            # every scrape: the job's timeline as the servers saw it
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _scrape(self, port: int) -> dict:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in COUNTERS:
+                out[COUNTERS[name]] = float(value)
+        return out
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for pid in descendants(self.root):
+                if role(pid, self.root) == "server" and (port := server_port(pid)) is not None:
+                    try:
+                        counters = self._scrape(port)
+                    except OSError:
+                        continue
+                    now = time.monotonic()
+                    if counters.get("steps", 0) > 0:     # when its steps began, at the latest
+                        self.first_busy.setdefault(pid, now - counters.get("busy_s", 0.0))
+                    self.last[pid] = (now, counters)
+                    self.series.append({"t": round(now, 2), "pid": pid, **counters})
+            self._stop.wait(self.period)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        gen = sum(c.get("gen_tokens", 0.0) for _, c in self.last.values())
+        busy = sum(c.get("busy_s", 0.0) for _, c in self.last.values())
+        span = sum(t - self.first_busy[pid] for pid, (t, _) in self.last.items() if pid in self.first_busy)
+        steps = sum(c.get("steps", 0.0) for _, c in self.last.values())
+        prompt = sum(c.get("prompt_tokens", 0.0) for _, c in self.last.values())
+        return {"gen_tokens": gen, "prompt_tokens": prompt, "steps": steps, "busy_s": round(busy, 1), "span_s": round(span, 1),
+                "tokens_per_step": round(gen / steps, 1) if steps else None,
+                "engine_tok_s": round(gen / busy, 1) if busy else None,
+                "busy_fraction": round(busy / span, 3) if span else None}
+
+
 def run_job(seed: int, args, root: Path) -> dict:
     run_dir = root / f"seed{seed}"
     cmd = [sys.executable, "-m", "trainer_bridge.train", *([f"+experiment={args.experiment}"] if args.experiment else []),
@@ -108,18 +178,21 @@ def run_job(seed: int, args, root: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=open(root / f"seed{seed}.err", "w"),
                             text=True)
-    watch = PeakWatch(proc.pid)
+    watch, servers = PeakWatch(proc.pid), ServerWatch(proc.pid)
     try:
         out, _ = proc.communicate()
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
-    peaks = watch.stop()
+    peaks, engine = watch.stop(), servers.stop()
+    if run_dir.exists():
+        with open(run_dir / "server_scrapes.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in servers.series)
     records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
     summary = json.loads(out.strip().splitlines()[-1]) if proc.returncode == 0 and out.strip() else {}
     return {"seed": seed, "returncode": proc.returncode, "killed": proc.returncode in (-9, 137) or proc.returncode < 0,
-            "minutes": (time.perf_counter() - t0) / 60, "peaks": peaks, "records": records, "summary": summary}
+            "minutes": (time.perf_counter() - t0) / 60, "peaks": peaks, "engine": engine, "records": records, "summary": summary}
 
 
 def series(records: list[dict], key: str) -> list[float]:
@@ -149,7 +222,7 @@ def main() -> None:
     for seed in args.seeds:
         r = run_job(seed, args, root)
         runs.append(r)
-        print(f"seed {seed}: exit {r['returncode']}, {r['minutes']:.1f} min, peaks {r['peaks']}, "
+        print(f"seed {seed}: exit {r['returncode']}, {r['minutes']:.1f} min, peaks {r['peaks']}, engine {r['engine']}, "
               f"summary {r['summary']}", file=sys.stderr, flush=True)
     records = [rec for r in runs for rec in r["records"]]
     before = [r["summary"].get("val_accuracy_first") for r in runs]
@@ -164,6 +237,15 @@ def main() -> None:
         "step_s_median_per_run": [median(step_seconds(r["records"])) for r in runs],
         "gen_tok_s": median(series(records, "rollout/tokens_per_s")),
         "train_tok_s": median(series(records, "train/trainer_tokens_per_s")),
+        "train_s_median": median(series(records, "time/train_s")),
+        "wait_s_median": median(series(records, "time/wait_for_data_s")),
+        "sync_s_median": median(series(records, "time/weight_sync_s")),
+        "engine_tok_s": [r["engine"]["engine_tok_s"] for r in runs],
+        "server_busy_fraction": [r["engine"]["busy_fraction"] for r in runs],
+        "server_busy_s": [r["engine"]["busy_s"] for r in runs],
+        "server_tokens_per_step": [r["engine"]["tokens_per_step"] for r in runs],
+        "server_prompt_tokens": [r["engine"]["prompt_tokens"] for r in runs],
+        "server_gen_tokens": [r["engine"]["gen_tokens"] for r in runs],
         "heldout_acc_before": before, "heldout_acc_after": after,
         "heldout_acc_delta": [round(a - b, 4) if a is not None and b is not None else None for a, b in zip(after, before)],
         "logprob_abs_diff_mean": median(series(records, "rollout_corr/logprob_abs_diff_mean")),

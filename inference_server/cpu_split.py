@@ -42,10 +42,21 @@ class TwoWays:
     other way loses again (up to `max_retry`), back to `first_retry` when it wins: when the team
     stalls 3.6x behind a busy neighbour, its tries cost about 2% of the steps. A size starts on its
     own way (the split), which never stalls, so a crowded host (servers and a trainer sharing two
-    cores) meets the team only in a try."""
+    cores) meets the team only in a try.
+
+    A neighbour that comes while the team is best is seen at the first step it stalls: a team step
+    `STALL` times its size's recent median (or a try's first step that far behind the way it tries
+    to beat) sends every size back to its own way at once, and no size tries the team for `hold` steps
+    (doubled at each stall up to `max_retry`, back to `first_retry` when the team wins a try: step
+    sizes come and go, and each size trying on its own paid a stalled step each). Beside a trainer's step the team stalls
+    at every barrier, ~40x: SmolLM2-135M's decode steps of ~20 rows took 1.3-2.0 s against 30-40 ms,
+    and a size that learnt the team while the trainer waited for its batch kept it for the ~12
+    steps until its next try (12-20 s of every ~25 s train step, the job's generation at a tenth
+    of its rate)."""
 
     WAYS = ("own", "team")                              # the first is where a step size starts
     BASE, TRY = 3, 4                                    # steps compared before a try, steps a try takes
+    STALL = 3.0                                         # a team step this many times the expected: a neighbour came
 
     def __init__(self, first_retry: int = 8, max_retry: int = 512):
         self.first_retry, self.max_retry = first_retry, max_retry
@@ -55,6 +66,9 @@ class TwoWays:
         self.recent: dict[int, list[float]] = {}        # seconds a unit of the last steps of a size, the best way
         self.trying: dict[int, dict] = {}               # size -> steps left, base, units
         self.taken = {way: 0 for way in self.WAYS}
+        self.stalls = 0                                 # times a neighbour was seen stalling the team
+        self.hold, self.hold_next = 0, first_retry      # steps before any size may try the team again, and the next
+                                                        # such hold (doubled at each stall, up to max_retry)
 
     def _other(self, size: int) -> str:
         return self.WAYS[1 - self.WAYS.index(self.best[size])]
@@ -62,9 +76,12 @@ class TwoWays:
     def pick(self, work: int) -> str:
         size = max(1, work).bit_length()
         best = self.best.setdefault(size, self.WAYS[0])
+        self.hold = max(0, self.hold - 1)
         if size in self.trying:
             return self._other(size)
         base = self.recent.get(size, [])
+        if best != "team" and self.hold:            # a neighbour stalled the team lately: no size tries it yet
+            return best
         if len(base) == self.BASE and self.since.get(size, 0) >= self.retry.setdefault(size, self.BASE):
             self.trying[size] = {"left": self.TRY, "base": statistics.median(base), "units": []}
             return self._other(size)
@@ -75,19 +92,42 @@ class TwoWays:
         self.taken[way] += 1
         t = self.trying.get(size)
         if t is not None and way != self.best[size]:
-            t["left"] -= 1
-            if t["left"] < self.TRY - 1:
-                t["units"].append(unit)
+            if way == "team" and unit > self.STALL * t["base"]:     # a stalled team loses its try at once
+                t["left"], t["units"] = 0, [unit]
+                self._stalled()
+            else:
+                t["left"] -= 1
+                if t["left"] < self.TRY - 1:
+                    t["units"].append(unit)
             if t["left"] == 0:
-                del self.trying[size]
+                self.trying.pop(size, None)
                 self.recent[size], self.since[size] = [], 0
                 if statistics.median(t["units"]) < t["base"]:
+                    # the try's steps are the new way's recent ones: its first stall is seen at once
                     self.best[size], self.retry[size] = way, self.first_retry
+                    self.recent[size] = t["units"][-self.BASE:]
+                    if way == "team":
+                        self.hold_next = self.first_retry
                 else:
                     self.retry[size] = min(self.max_retry, max(self.first_retry, 2 * self.retry[size]))
             return
-        self.recent[size] = (self.recent.get(size, []) + [unit])[-self.BASE:]
+        recent = self.recent.get(size, [])
+        if way == "team" and recent and unit > self.STALL * statistics.median(recent):
+            self._stalled()
+            return
+        self.recent[size] = (recent + [unit])[-self.BASE:]
         self.since[size] = self.since.get(size, 0) + 1
+
+    def _stalled(self) -> None:
+        """A neighbour came: every size that runs on the team goes back to its own way, and none tries
+        the team for `hold` steps (a stalled try's first step ends it)."""
+        self.stalls += 1
+        self.hold, self.hold_next = self.hold_next, min(self.max_retry, 2 * self.hold_next)
+        for size, way in self.best.items():
+            if way == "team":
+                self.best[size], self.recent[size], self.since[size] = self.WAYS[0], [], 0
+                self.retry[size] = self.first_retry
+                self.trying.pop(size, None)
 
 
 class SplitStepRunner:

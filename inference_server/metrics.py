@@ -34,6 +34,7 @@ class _EngineCollector:
             ("riptide_ended_blocks", "Cached KV blocks of ended episodes put first in line for eviction", s.ended_blocks),
             ("riptide_cached_prompt_tokens", "Prompt positions taken from the prefix cache (paged), not computed",
              e.scheduler.cached_tokens),
+            *_cpu_ways(e),
         ):
             yield CounterMetricFamily(name, doc, value=value)
         for name, doc, value in (
@@ -45,6 +46,18 @@ class _EngineCollector:
             *e.kv_gauges(),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _cpu_ways(engine):
+    """A CPU server's steps by how they ran (cpu_split.TwoWays): on its own threads or on a team over
+    every core, and the times a neighbour was seen stalling the team."""
+    ways = [w for w in (getattr(engine.runner, "ways", None), getattr(engine.runner, "verify_ways", None)) if w]
+    if not ways:
+        return ()
+    return (("riptide_cpu_team_steps", "CPU steps run on an OpenMP team over every core", sum(w.taken["team"] for w in ways)),
+            ("riptide_cpu_own_steps", "CPU steps run on the engine's own thread(s)", sum(w.taken["own"] for w in ways)),
+            ("riptide_cpu_team_stalls", "Times a team step stalled behind a busy neighbour (every step size left the team)",
+             sum(w.stalls for w in ways)))
 
 
 def metrics_text(engine) -> bytes:

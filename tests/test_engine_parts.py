@@ -175,6 +175,36 @@ def test_a_cpu_step_goes_the_way_that_measured_faster_and_tries_the_other_again(
     assert all(t[-50:].count("team") > 45 for t in taken.values())
 
 
+def test_a_team_that_stalls_behind_a_new_neighbour_is_left_at_its_first_slow_step():
+    """A trainer's step beside the server stalls the team at every barrier (~40x a step): the first
+    such step sends every step size back to its own way, and a later try of the team that stalls
+    ends at its first step; once the neighbour is gone, the team wins its try again."""
+    from inference_server.cpu_split import TwoWays
+    ways, cost = TwoWays(first_retry=4, max_retry=64), {"team": 1.0, "own": 2.0}
+
+    def run(steps: int, sizes=(1000, 100000)) -> dict[int, list[str]]:
+        taken = {w: [] for w in sizes}
+        for i in range(steps):
+            work = sizes[i % len(sizes)]
+            way = ways.pick(work)
+            ways.record(work, way, cost[way] * work / 1000)
+            taken[work].append(way)
+        return taken
+    quiet = run(200)
+    assert all(t[-50:].count("team") >= 45 for t in quiet.values())      # both sizes learnt the team
+    cost.update(team=40.0)                                                # a trainer's step begins
+    busy = run(400)
+    stalled = sum(t.count("team") for t in busy.values())
+    assert busy[1000][0] == "team" and busy[100000][0] == "own"           # one stalled step, and every size left it
+    # each later try of the team stalls once and ends there; tries come less and less often
+    assert stalled <= 1 + 2 * 7, stalled
+    assert all(t[-100:].count("own") >= 98 for t in busy.values())
+    assert ways.stalls >= 1
+    cost.update(team=1.0)                                                 # the trainer waits for its batch
+    after = run(400)
+    assert all(t[-50:].count("team") >= 45 for t in after.values())
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "llama3_rope", "llama_head_dim_64"])
 def test_fast_path_matches_transformers_for_each_family(family, tmp_path):
     """The fast path runs each family's own modules (its rotary_emb with llama3 scaling, Qwen3's q/k
